@@ -1,0 +1,3 @@
+"""cvllm: an LLM inference and serving engine in Python, after candle-vllm."""
+
+__version__ = "0.1.0"

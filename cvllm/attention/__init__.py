@@ -1,0 +1,1 @@
+"""Paged attention: per-step metadata, KV cache spec/allocation, and the backends."""

@@ -1,0 +1,1 @@
+"""Attention backends; ``attention/backend.py`` picks one."""

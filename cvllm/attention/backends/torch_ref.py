@@ -1,0 +1,216 @@
+"""Plain-torch paged attention: the CPU backend and the reference the kernels are checked
+against.
+
+Stateless; the attention layer (``layers/attention.py``) calls ``forward`` once per layer
+per step with that layer's ``(k_cache, v_cache)`` (owned by the worker) and the step's
+``AttentionMetadata`` (built by the worker). The batch is split on the host, without a
+device sync: the leading decode sequences run through a one-query path, the rest are
+padded to ``[B, Qmax, Lmax]`` and run as one masked SDPA call. Groups of sequences
+are sized so the float32 scores stay under ``MAX_ELEMS`` elements; a sequence too long
+for that alone is cut into query chunks. Scores and softmax are float32 in any dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from cvllm.attention.metadata import AttentionMetadata
+
+MAX_ELEMS = 1 << 26
+"""Float32 elements (scores + gathered K/V) one group may materialise: 256 MiB."""
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, no padding slots
+) -> None:
+    """Store this step's keys and values at their cache slots."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # [N*bs, Hkv, D]
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def forward(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Write K/V, then attend every sequence's queries over its cached context, causally.
+    Returns ``[T, H, D]``; rows of padding tokens (past ``meta.num_tokens``) are zero."""
+    n = meta.num_tokens
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
+    write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+    out = torch.empty_like(q)  # [T, H, D]
+    out[n:].zero_()
+    opts = _Opts(scale, sliding_window, softcap)
+    _decode(q, k_cache, v_cache, meta, opts, out)
+    _prefill(q, k_cache, v_cache, meta, opts, out)
+    return out
+
+
+class _Opts:
+    def __init__(self, scale: float, sliding_window: Optional[int], softcap: Optional[float]):
+        self.scale = float(scale)
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.softcap = float(softcap) if softcap else None
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, opts: _Opts, out: torch.Tensor) -> None:
+    """Leading one-token sequences: sequence ``b`` owns token ``b``."""
+    nd = meta.num_decodes
+    if nd == 0:
+        return
+    h, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    seq_lens = meta.seq_lens_cpu[:nd]
+    for b0, b1 in _plan_groups(seq_lens, [1] * nd, h, hkv * d):
+        L = int(seq_lens[b0:b1].max())
+        bt = meta.block_tables[b0:b1]
+        kk, vv = _gather_kv(k_cache, bt, L), _gather_kv(v_cache, bt, L)  # [Bg, L, Hkv, D]
+        qpos = (meta.seq_lens[b0:b1].long() - 1).unsqueeze(1)  # [Bg, 1]
+        out[b0:b1] = _attend(q[b0:b1].unsqueeze(1), kk, vv, qpos, opts)[:, 0]  # [Bg, H, D]
+
+
+def _prefill(q, k_cache, v_cache, meta: AttentionMetadata, opts: _Opts, out: torch.Tensor) -> None:
+    """Sequences after the decodes, in padded groups (one sequence: unpadded, chunked)."""
+    nd, B = meta.num_decodes, meta.num_seqs
+    if nd == B:
+        return
+    h, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    qsl = meta.query_start_loc_cpu
+    qlens = (qsl[nd + 1 :] - qsl[nd:-1]).tolist()
+    for g0, g1 in _plan_groups(meta.seq_lens_cpu[nd:], qlens, h, hkv * d):
+        b0, b1 = nd + g0, nd + g1
+        if b1 - b0 == 1:
+            _prefill_one(q, k_cache, v_cache, meta, b0, opts, out)
+        else:
+            _prefill_group(q, k_cache, v_cache, meta, b0, b1, opts, out)
+
+
+def _prefill_one(
+    q, k_cache, v_cache, meta: AttentionMetadata, b: int, opts: _Opts, out: torch.Tensor
+) -> None:
+    t0, t1 = int(meta.query_start_loc_cpu[b]), int(meta.query_start_loc_cpu[b + 1])
+    seq_len = int(meta.seq_lens_cpu[b])
+    ctx = seq_len - (t1 - t0)  # tokens cached before this step
+    h, kv_row = q.shape[1], k_cache.shape[2] * k_cache.shape[3]
+    # Query chunk size so that scores + K/V of the full context fit the budget.
+    chunk = max(1, (MAX_ELEMS - 2 * seq_len * kv_row) // max(h * seq_len, 1))
+    bt = meta.block_tables[b : b + 1]
+    for i0 in range(0, t1 - t0, chunk):
+        i1 = min(i0 + chunk, t1 - t0)
+        L = ctx + i1  # later keys are masked for every query of this chunk
+        kk, vv = _gather_kv(k_cache, bt, L), _gather_kv(v_cache, bt, L)  # [1, L, Hkv, D]
+        qpos = torch.arange(ctx + i0, ctx + i1, device=q.device).unsqueeze(0)  # [1, Qc]
+        out[t0 + i0 : t0 + i1] = _attend(q[t0 + i0 : t0 + i1].unsqueeze(0), kk, vv, qpos, opts)[0]
+
+
+def _prefill_group(
+    q, k_cache, v_cache, meta: AttentionMetadata, b0: int, b1: int, opts: _Opts, out: torch.Tensor
+) -> None:
+    qsl_cpu = meta.query_start_loc_cpu
+    t0, t1 = int(qsl_cpu[b0]), int(qsl_cpu[b1])
+    Bg, h, d = b1 - b0, q.shape[1], q.shape[2]
+    Qm = int((qsl_cpu[b0 + 1 : b1 + 1] - qsl_cpu[b0:b1]).max())
+    L = int(meta.seq_lens_cpu[b0:b1].max())
+    qlens = meta.query_lens[b0:b1].long()  # [Bg]
+    dev = q.device
+    seq_idx = torch.repeat_interleave(
+        torch.arange(Bg, device=dev), qlens, output_size=t1 - t0
+    )  # [Tg]
+    first_tok = meta.query_start_loc[b0:b1].long() - t0  # [Bg]
+    pad_idx = seq_idx * Qm + (torch.arange(t1 - t0, device=dev) - first_tok[seq_idx])  # [Tg]
+    q_pad = (
+        q.new_zeros(Bg * Qm, h, d).index_copy_(0, pad_idx, q[t0:t1]).view(Bg, Qm, h, d)
+    )  # [Bg, Qm, H, D]
+    ctx = meta.seq_lens[b0:b1].long() - qlens  # [Bg]
+    qpos = ctx.unsqueeze(1) + torch.arange(Qm, device=dev)  # [Bg, Qm]
+    bt = meta.block_tables[b0:b1]
+    kk, vv = _gather_kv(k_cache, bt, L), _gather_kv(v_cache, bt, L)  # [Bg, L, Hkv, D]
+    o = _attend(q_pad, kk, vv, qpos, opts)  # [Bg, Qm, H, D]
+    out[t0:t1] = o.reshape(Bg * Qm, h, d).index_select(0, pad_idx)
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, L: int) -> torch.Tensor:
+    """The first ``L`` cached tokens of each row's sequence: ``[B, L, Hkv, D]``."""
+    B, bs = block_tables.shape[0], cache.shape[1]
+    nb = -(-L // bs)
+    if nb > block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns, {nb} needed for {L} tokens"
+        )
+    idx = block_tables[:, :nb].reshape(-1)  # [B*nb]
+    g = cache.index_select(0, idx)  # [B*nb, bs, Hkv, D]
+    return g.view(B, nb * bs, cache.shape[2], cache.shape[3])[:, :L]  # [B, L, Hkv, D]
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Q, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    qpos: torch.Tensor,  # [B, Q] position of each query; key j is visible iff j <= qpos
+    opts: _Opts,
+) -> torch.Tensor:
+    """Masked attention in float32 -> ``[B, Q, H, D]`` in q's dtype. Without a softcap this
+    is one SDPA call (its fused CPU / CUDA kernels are several times faster than matmuls on
+    permuted views); a softcap must act on the raw scores, so it takes explicit matmuls."""
+    L = k.shape[1]
+    kpos = torch.arange(L, device=q.device)
+    qp = qpos.unsqueeze(-1)  # [B, Q, 1]
+    visible = kpos <= qp  # [B, Q, L]
+    if opts.sliding_window is not None:
+        visible &= kpos > qp - opts.sliding_window
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, heads, Q or L, D]
+    if opts.softcap is None:
+        o = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=visible.unsqueeze(1), scale=opts.scale, enable_gqa=True
+        )  # [B, H, Q, D]
+    else:
+        o = _attend_softcap(qf, kf, vf, visible, opts)
+    return o.transpose(1, 2).to(q.dtype)
+
+
+def _attend_softcap(qf, kf, vf, visible: torch.Tensor, opts: _Opts) -> torch.Tensor:
+    B, H, Q, D = qf.shape
+    Hkv, L = kf.shape[1], kf.shape[2]
+    G = H // Hkv
+    qg = qf.reshape(B, Hkv, G * Q, D)  # [B, Hkv, G*Q, D]: heads h = kv * G + g
+    s = torch.matmul(qg, kf.transpose(2, 3)).view(B, Hkv, G, Q, L) * opts.scale  # [B, Hkv, G, Q, L]
+    s = torch.tanh(s / opts.softcap) * opts.softcap
+    s.masked_fill_(~visible[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).view(B, Hkv, G * Q, L)
+    return torch.matmul(p, vf).view(B, H, Q, D)  # [B, H, Q, D]
+
+
+def _plan_groups(seq_lens, query_lens: List[int], h: int, kv_row: int) -> Iterator[Tuple[int, int]]:
+    """Contiguous sequence groups whose padded scores + K/V fit ``MAX_ELEMS``."""
+    b0, n = 0, len(query_lens)
+    while b0 < n:
+        b1, qm, lm = b0 + 1, int(query_lens[b0]), int(seq_lens[b0])
+        while b1 < n:
+            q2, l2 = max(qm, int(query_lens[b1])), max(lm, int(seq_lens[b1]))
+            if (b1 + 1 - b0) * (h * q2 * l2 + 2 * l2 * kv_row) > MAX_ELEMS:
+                break
+            b1, qm, lm = b1 + 1, q2, l2
+        yield b0, b1
+        b0 = b1
+
+
+class TorchRefAttentionBackend:
+    """The backend object ``attention/backend.py`` hands to attention layers."""
+
+    name = "torch_ref"
+    write_kv = staticmethod(write_kv)
+    forward = staticmethod(forward)

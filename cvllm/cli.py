@@ -1,0 +1,221 @@
+"""The ``cvllm`` command line: the composition root.
+
+Parses flags into the config dataclasses, builds the engine (loader -> runner ->
+``LLMEngine``) and either serves it over HTTP (``serve``) or runs prompts offline
+(``generate``). Candle-vllm's short flag names are kept as aliases (``--w``, ``--f``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import click
+
+from cvllm import __version__
+from cvllm.config import ConfigError
+
+logger = logging.getLogger("cvllm")
+
+
+def _model_options(f: Callable) -> Callable:
+    """Flags shared by ``serve`` and ``generate``: where the model comes from and how the
+    engine is sized."""
+    opts = [
+        click.option("--w", "--weight-path", "weight_path", default=None,
+                     help="Hugging Face model folder (config.json, *.safetensors, tokenizer)."),
+        click.option("--f", "--weight-file", "weight_file", default=None,
+                     help="A .gguf model file."),
+        click.option("--m", "--model-id", "model_id", default=None,
+                     help="Hugging Face model id, downloaded into the HF cache."),
+        click.option("--dtype", type=click.Choice(["bf16", "f16", "f32"]), default=None,
+                     help="Compute dtype (default: bf16 on GPU, f32 on CPU)."),
+        click.option("--d", "--device-ids", "device_ids", default="0",
+                     help="Comma-separated GPU ids."),
+        click.option("--cpu", is_flag=True, help="Run on the CPU."),
+        click.option("--mem", "--kvcache-mem-gpu", "kvcache_mem", type=int, default=None,
+                     help="KV cache size in MB."),
+        click.option("--gpu-memory-fraction", type=float, default=0.7, show_default=True,
+                     help="Fraction of memory left after loading given to the KV cache."),
+        click.option("--max-num-seqs", type=int, default=256, show_default=True),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--max-model-len", type=int, default=0,
+                     help="Context length (default: the model's own)."),
+        click.option("--prefill-chunk-size", type=int, default=8192, show_default=True,
+                     help="Most prompt tokens per sequence per step; 0 disables chunking."),
+        click.option("--max-gen-tokens", type=int, default=0,
+                     help="Default max_tokens (default max_model_len/5 in [128, 16384])."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
+                     show_default=True, help="dummy: random weights from config.json alone."),
+        click.option("--log", "log_file", default=None, help="Also log to this file (one per rank)."),
+        click.option("--log-level", default="INFO", show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _sampling_options(f: Callable) -> Callable:
+    """Server-wide sampling defaults; a request's own values win."""
+    opts = [
+        click.option("--temperature", type=float, default=None),
+        click.option("--top-p", type=float, default=None),
+        click.option("--top-k", type=int, default=None),
+        click.option("--min-p", type=float, default=None),
+        click.option("--frequency-penalty", type=float, default=None),
+        click.option("--presence-penalty", type=float, default=None),
+        click.option("--repetition-penalty", type=float, default=None),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                  "presence_penalty", "repetition_penalty")
+
+
+def _parse_device_ids(text: str) -> List[int]:
+    try:
+        ids = [int(x) for x in str(text).split(",") if x.strip() != ""]
+    except ValueError:
+        raise ConfigError(f"--device-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ConfigError("--device-ids is empty")
+    return ids
+
+
+def build_engine(kw: Dict[str, Any]):
+    """Flags -> (LLMEngine, sampling defaults). Raises ConfigError / ModelLoadError."""
+    from cvllm.engine.builder import build_llm_engine
+
+    return build_llm_engine(
+        weight_path=kw["weight_path"], weight_file=kw["weight_file"], model_id=kw["model_id"],
+        dtype=kw["dtype"], cpu=kw["cpu"], device_ids=_parse_device_ids(kw["device_ids"]),
+        kvcache_mem_mb=kw["kvcache_mem"], gpu_memory_fraction=kw["gpu_memory_fraction"],
+        max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
+        max_model_len=kw["max_model_len"], prefill_chunk_size=kw["prefill_chunk_size"],
+        max_gen_tokens=kw["max_gen_tokens"], seed=kw["seed"], load_format=kw["load_format"],
+        served_model_name=kw.get("served_model_name"),
+        sampling_overrides={k: kw.get(k) for k in _SAMPLING_KEYS},
+    )
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"cvllm: error: {msg}", err=True)
+    sys.exit(2)
+
+
+def _run_guarded(fn: Callable[[], None]) -> None:
+    """Start-up errors a user can fix end the program with one clear line, no traceback."""
+    from cvllm.loader.errors import ModelLoadError
+    from cvllm.models.registry import UnsupportedArchitectureError
+
+    try:
+        fn()
+    except (ConfigError, ModelLoadError, UnsupportedArchitectureError) as e:
+        _fail(str(e))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="cvllm")
+def main() -> None:
+    """cvllm: serve large language models over an OpenAI-compatible API."""
+
+
+@main.command()
+@_model_options
+@_sampling_options
+@click.option("--h", "--host", "host", default="127.0.0.1", show_default=True)
+@click.option("--p", "--port", "port", type=int, default=2000, show_default=True)
+@click.option("--served-model-name", default=None, help="Model name in the API (default: from the weights).")
+@click.option("--api-key", default=None, envvar="CVLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+def serve(**kw: Any) -> None:
+    """Serve a model over the OpenAI API (chat, completions, models, health, metrics)."""
+    from cvllm.logger import init_logging
+
+    init_logging(0, kw["log_file"], kw["log_level"])
+    if not 0 < kw["port"] < 65536:
+        _fail(f"--port must be in 1..65535, got {kw['port']}")
+    _run_guarded(lambda: _serve(kw))
+
+
+def _serve(kw: Dict[str, Any]) -> None:
+    from aiohttp import web
+
+    from cvllm.engine.async_engine import AsyncEngine
+    from cvllm.server.app import ServerSettings, build_app
+
+    engine, defaults = build_engine(kw)
+    name = engine.config.served_model_name
+    async_engine = AsyncEngine(engine, name, defaults)
+    settings = ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
+                              served_model_name=name)
+    app = build_app(async_engine, settings)
+
+    async def on_startup(_app: web.Application) -> None:
+        async_engine.start()
+
+    async def on_cleanup(_app: web.Application) -> None:
+        async_engine.shutdown()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    logger.info("serving %s on http://%s:%d/v1", name, kw["host"], kw["port"])
+    # handler_cancellation: a client that goes away cancels its handler, which aborts
+    # its request and frees its KV blocks at once.
+    web.run_app(app, host=kw["host"], port=kw["port"], print=None, access_log=None,
+                handler_cancellation=True)
+
+
+@main.command()
+@_model_options
+@_sampling_options
+@click.option("--prompt", "prompts", multiple=True, help="A prompt; repeat for several. '-' reads lines from stdin.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt as a user chat message.")
+@click.option("--max-tokens", type=int, default=None, help="New tokens per prompt.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt instead of plain text.")
+def generate(prompts, chat, max_tokens, as_json, **kw: Any) -> None:
+    """Run prompts offline (no server) and print the completions."""
+    from cvllm.logger import init_logging
+
+    init_logging(0, kw["log_file"], kw["log_level"])
+    texts = _collect_prompts(prompts)
+    _run_guarded(lambda: _generate(texts, chat, max_tokens, as_json, kw))
+
+
+def _collect_prompts(prompts) -> List[str]:
+    texts: List[str] = []
+    for p in prompts or ("-",):
+        if p == "-":
+            texts.extend(line.rstrip("\n") for line in sys.stdin if line.strip())
+        else:
+            texts.append(p)
+    if not texts:
+        _fail("no prompt given (use --prompt TEXT or pipe lines on stdin)")
+    return texts
+
+
+def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: bool, kw: Dict[str, Any]) -> None:
+    from cvllm.engine.llm import LLM
+    from cvllm.sampling_params import SamplingParams, SamplingParamsError
+
+    kw["served_model_name"] = None
+    engine, defaults = build_engine(kw)
+    llm = LLM.from_engine(engine)
+    try:
+        sampling = {k: v for k, v in defaults.items() if k in _SAMPLING_KEYS}
+        params = SamplingParams(**sampling, max_tokens=max_tokens or engine.config.max_gen_tokens)
+    except SamplingParamsError as e:
+        _fail(str(e))
+    results = llm.chat([[{"role": "user", "content": t}] for t in texts], params) if chat \
+        else llm.generate(texts, params)
+    for text, res in zip(texts, results):
+        if as_json:
+            click.echo(json.dumps({"prompt": text, "text": res.text, "finish_reason": res.finish_reason,
+                                   "num_tokens": len(res.token_ids)}))
+        else:
+            click.echo(res.text)

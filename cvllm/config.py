@@ -1,0 +1,170 @@
+"""Configuration dataclasses, built once from the CLI in ``cli.py`` and passed explicitly.
+
+Every config validates itself in ``__post_init__`` and raises ``ConfigError`` with a
+message a user can act on. ``ModelConfig`` is built by ``loader/`` from config.json or GGUF
+metadata; the others come from command-line flags. All ranks hold identical copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+DTYPES = ("bf16", "f16", "f32")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    """HF architecture name, e.g. ``LlamaForCausalLM``; picks the model class."""
+    hf_config: Dict[str, Any]
+    """The model's config.json (or its equivalent built from GGUF metadata), read by the
+    model classes with ``get`` (DESIGN rule 10: read config, never assume)."""
+    dtype: str = "f32"
+    """Compute dtype: bf16, f16 or f32."""
+    max_model_len: int = 0
+    """Longest sequence (prompt + output) served; 0 means the model's own limit."""
+    eos_token_ids: List[int] = field(default_factory=list)
+    """Token ids that end generation (from generation_config / tokenizer / GGUF)."""
+    bos_token_id: Optional[int] = None
+    source: str = ""
+    """Where the model came from (a folder or a .gguf path), for logs and /v1/models."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            v = self.hf_config.get(key)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"model config field {key!r} must be a positive integer, got {v!r}")
+        native = self.native_max_len
+        if self.max_model_len <= 0:
+            self.max_model_len = native
+        if self.max_model_len <= 0:
+            raise ConfigError("--max-model-len must be positive")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.hf_config.get(key, default)
+
+    @property
+    def native_max_len(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings") or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = self.hf_config.get("head_dim")
+        return int(hd) if hd else int(self.hf_config["hidden_size"]) // self.num_heads
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per paged KV block."""
+    kvcache_mem_mb: Optional[int] = None
+    """KV cache size in MB (--mem); overrides gpu_memory_fraction when given."""
+    gpu_memory_fraction: float = 0.7
+    """Fraction of the memory left after loading weights given to the KV cache."""
+    num_blocks: Optional[int] = None
+    """Set by the worker once the cache is sized; tests may fix it directly."""
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, 256, got {self.block_size}")
+        if self.kvcache_mem_mb is not None and self.kvcache_mem_mb <= 0:
+            raise ConfigError(f"--mem must be a positive number of MB, got {self.kvcache_mem_mb}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most sequences in one step."""
+    max_model_len: int = 4096
+    """Longest sequence; copied from ModelConfig.max_model_len."""
+    prefill_chunk_size: int = 8192
+    """Most prompt tokens of one sequence per step; 0 disables chunking."""
+    max_num_batched_tokens: int = 0
+    """Token budget per step; 0 derives it (max of chunk size and max_num_seqs)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.prefill_chunk_size < 0:
+            raise ConfigError(f"--prefill-chunk-size must be >= 0, got {self.prefill_chunk_size}")
+        if self.max_num_batched_tokens <= 0:
+            if self.prefill_chunk_size == 0:
+                # No chunking: a whole prompt must fit in one step.
+                self.max_num_batched_tokens = max(self.max_model_len, self.max_num_seqs)
+            else:
+                self.max_num_batched_tokens = max(self.prefill_chunk_size, self.max_num_seqs)
+
+    @property
+    def chunk_limit(self) -> int:
+        """Most prompt tokens one sequence may take in one step."""
+        return self.prefill_chunk_size or self.max_model_len
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    device_ids: List[int] = field(default_factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if not self.device_ids or any(d < 0 for d in self.device_ids):
+            raise ConfigError(f"--device-ids must be non-negative integers, got {self.device_ids}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    load_format: str = "auto"
+    """``auto`` (real weights) or ``dummy`` (random weights from the config alone)."""
+    seed: int = 0
+    """Seed of the random weights (dummy) and of requests that give no seed."""
+    max_gen_tokens: int = 0
+    """Default max_tokens of a request that gives none; 0 derives max_model_len/5
+    clamped to [128, 16384]."""
+    served_model_name: str = ""
+    defaults: Dict[str, Any] = field(default_factory=dict)
+    """Server-wide sampling defaults from the CLI (temperature, top_p, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.max_gen_tokens <= 0:
+            self.max_gen_tokens = min(max(self.model.max_model_len // 5, 128), 16384)
+        self.scheduler.max_model_len = self.model.max_model_len
+        if not self.served_model_name:
+            self.served_model_name = "default"

@@ -1,0 +1,21 @@
+"""Scheduling core (rank 0 only, pure Python + numpy, never torch): sequences, KV block
+bookkeeping, the continuous-batching scheduler and the StepInput wire format."""
+
+from cvllm.core.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError
+from cvllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from cvllm.core.sequence import Sequence, SequenceStatus
+from cvllm.core.step_input import (
+    ControlMessage,
+    MessageHeader,
+    MessageKind,
+    StepInput,
+    StepInputError,
+    build_step_input,
+    unpack_message,
+)
+
+__all__ = [
+    "BlockManager", "BlockManagerError", "NoFreeBlocksError", "ScheduledSeq", "Scheduler",
+    "SchedulerOutput", "Sequence", "SequenceStatus", "ControlMessage", "MessageHeader",
+    "MessageKind", "StepInput", "StepInputError", "build_step_input", "unpack_message",
+]

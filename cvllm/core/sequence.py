@@ -1,0 +1,140 @@
+"""One generation stream: its tokens, how many of them have KV in the cache, its blocks.
+
+Built by ``engine/`` on rank 0 when a request is added (one ``Sequence`` per completion;
+``n > 1`` is fanned out before it reaches here). Owned by the ``Scheduler`` while it is
+unfinished, then handed back to the engine. Lives on rank 0 only: other ranks see only
+the flat ``StepInput`` built from it.
+
+There is no prefill phase and no decode phase. Each step a sequence is given
+``num_new_tokens`` so that ``num_computed_tokens`` catches up with ``len(token_ids)``;
+chunked prefill, prefix-cache hits and recompute after preemption are just different
+numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Sequence as Seq, Union
+
+from cvllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        """Works as ``status.is_finished()`` and as vLLM's ``SequenceStatus.is_finished(s)``."""
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The OpenAI ``finish_reason`` of a finished status; None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+    @classmethod
+    def from_finish_reason(cls, reason: str) -> "SequenceStatus":
+        for status, name in _FINISH_REASONS.items():
+            if name == reason:
+                return status
+        raise ValueError(f"finish reason must be one of 'stop', 'length', 'abort', got {reason!r}")
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+    }
+)
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """Token ids (prompt then outputs) plus the scheduling state of one completion."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        eos_token_ids: Seq[int] = (),
+        arrival_time: float = 0.0,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"sequence {seq_id} of request {request_id!r} has an empty prompt")
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.params = params
+        self.eos_token_ids: List[int] = list(eos_token_ids)
+        self.arrival_time = arrival_time
+        self.token_ids: List[int] = [int(t) for t in prompt_token_ids]
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        """Tokens whose KV is in the cache (reset to 0 by preemption)."""
+        self.block_ids: List[int] = []
+        """KV blocks in position order; covers at least ``num_computed_tokens`` tokens."""
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
+        self.finish_reason: Optional[str] = None
+        """'stop', 'length' or 'abort' once finished."""
+        self.stop_reason: Optional[Union[int, str]] = None
+        """The stop token id or stop string that ended the sequence (None for EOS)."""
+        self.max_tokens: Optional[int] = params.max_tokens
+        """Cap on output tokens; the engine may lower it (e.g. to fit max_model_len)."""
+
+    @property
+    def prompt_token_ids(self) -> List[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose KV is not in the cache yet."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))
+
+    def set_finished(
+        self, status: SequenceStatus, stop_reason: Optional[Union[int, str]] = None
+    ) -> None:
+        if not status.is_finished():
+            raise ValueError(f"set_finished needs a finished status, got {status}")
+        self.status = status
+        self.finish_reason = status.finish_reason
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
+            f"status={self.status.name}, tokens={self.num_tokens} "
+            f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,190 @@
+"""The asyncio face of the engine: one engine thread, one output queue per request.
+
+Built by ``cli.py`` on rank 0 around an ``LLMEngine``; the aiohttp server holds it and
+calls only its public methods. The engine thread is the only thread that touches the
+``LLMEngine`` (scheduler, runner, detokenizers); handlers talk to it through a command
+queue and receive ``RequestOutput`` objects on per-request ``asyncio.Queue`` s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+from cvllm.engine.llm_engine import LLMEngine
+from cvllm.outputs import EngineMetrics, RequestOutput
+from cvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("cvllm.engine")
+
+_WARMUP_ID = "__cvllm_warmup__"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str, default_params: Dict[str, Any]):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.config.model.max_model_len
+        self._defaults = dict(default_params)
+        self._commands: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+        self._queues: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._metrics = engine.metrics()
+        self._thread: Optional[threading.Thread] = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine thread; it runs one warm-up step, then ``/health`` turns 200."""
+        self._thread = threading.Thread(target=self._run, name="cvllm-engine", daemon=True)
+        self._thread.start()
+        bos = self.engine.config.model.bos_token_id
+        warm = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self._commands.put(("add", (_WARMUP_ID, [bos if bos is not None else 0], warm)))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    def metrics(self) -> EngineMetrics:
+        return self._metrics
+
+    def default_params(self) -> Dict[str, Any]:
+        return dict(self._defaults)
+
+    # ---------------------------------------------------------------- tokenizer
+    def render_chat(self, messages: List[Dict[str, Any]], **template_kwargs: Any) -> List[int]:
+        return self.engine.tokenizer.render_chat(messages, **template_kwargs)
+
+    def encode(self, text: str) -> List[int]:
+        return self.engine.tokenizer.encode(text)
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, request_id: str, prompt_token_ids: List[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs until it finishes. Leaving early (the client went
+        away, the handler was cancelled) aborts the request and frees its KV blocks."""
+        if not self.is_healthy():
+            raise EngineDeadError("the engine loop is not running")
+        # Validate on the caller's side so bad prompts fail the HTTP request, not the loop.
+        self._check_prompt(prompt_token_ids)
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _check_prompt(self, prompt_token_ids: List[int]) -> None:
+        from cvllm.engine.llm_engine import PromptTooLongError
+
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self._stop.is_set():
+                    break
+                if not self.engine.has_unfinished():
+                    continue
+                outputs = self.engine.step()
+                self._metrics = self.engine.metrics()
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as e:  # the loop must never die silently
+            self._error = e
+            logger.error("engine loop died: %s\n%s", e, traceback.format_exc())
+            self._fail_all(EngineDeadError(f"engine loop died: {e}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: Tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            request_id, prompt, params = arg
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as e:
+                self._deliver_error(request_id, e)
+        elif kind == "abort":
+            self.engine.abort_request(arg)
+            self._metrics = self.engine.metrics()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.request_id == _WARMUP_ID:
+            if out.finished:
+                self._ready.set()
+                logger.info("engine warm-up step done; ready to serve")
+            return
+        with self._lock:
+            target = self._queues.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _deliver_error(self, request_id: str, err: BaseException) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            targets = list(self._queues.values())
+        for loop, q in targets:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, err)
+            except RuntimeError:  # that loop is already closed
+                pass

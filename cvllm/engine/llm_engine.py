@@ -1,0 +1,190 @@
+"""The synchronous engine: one ``step()`` schedules, runs the model and detokenizes.
+
+Built once on rank 0 by ``cli.py`` (serve/generate) or by the offline ``LLM`` class; owned
+by whichever thread drives ``step()`` (the ``AsyncEngine`` loop thread when serving). It
+owns the scheduler, the per-request detokenizers and the metrics; the ``ModelRunner`` it
+drives owns the model and the KV cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from cvllm.config import EngineConfig
+from cvllm.core.block_manager import BlockManager
+from cvllm.core.scheduler import Scheduler, SchedulerOutput
+from cvllm.core.sequence import Sequence
+from cvllm.core.step_input import build_step_input
+from cvllm.engine.detokenizer import IncrementalDetokenizer
+from cvllm.engine.tokenizer import Tokenizer
+from cvllm.outputs import EngineMetrics, RequestOutput, TokenLogprob
+from cvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("cvllm.engine")
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int):
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens; your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for output. Shorten the prompt."
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    num_emitted_tokens: int = 0
+    pending_logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Rank 0's engine. ``runner`` is anything with ``execute(step, seqs)`` returning the
+    sampled ids (and logprobs) for the step's sampling rows, plus ``num_blocks``."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, runner):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.block_size = config.cache.block_size
+        self.block_manager = BlockManager(runner.num_blocks, self.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.requests: Dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_of: Dict[int, str] = {}
+        self.eos_token_ids = list(config.model.eos_token_ids)
+        self.stats = Counter()
+        self.finished_by_reason: Counter = Counter()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        max_len = self.config.model.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise PromptTooLongError(len(prompt_token_ids), max_len)
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        seq = Sequence(next(self._seq_ids), request_id, [int(t) for t in prompt_token_ids], params,
+                       eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic())
+        seq.max_tokens = params.max_tokens
+        detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        self.requests[request_id] = _Request(seq, detok)
+        self._request_of[seq.seq_id] = request_id
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._request_of.pop(req.seq.seq_id, None)
+        self.scheduler.abort(request_id)
+        self.finished_by_reason["abort"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> List[RequestOutput]:
+        out = self.scheduler.schedule()
+        # The scheduler may end a sequence that can never fit (reason 'length').
+        outputs = self._scheduler_finished(out.finished)
+        if not out.scheduled:
+            return outputs
+        step = build_step_input(out, self.block_size)
+        sampling_seqs = [s.seq for s in out.scheduled if s.samples]
+        result = self.runner.execute(step, sampling_seqs)
+        # A step of prefill chunks only samples nothing; the runner then returns None.
+        tokens = result.token_ids if result is not None else []
+        sampled = {seq.seq_id: int(tok) for seq, tok in zip(sampling_seqs, tokens)}
+        self.scheduler.update(out, sampled)
+        self.stats["steps"] += 1
+        self.stats["generation_tokens"] += len(sampled)
+        return outputs + self._make_outputs(out, sampling_seqs, result)
+
+    def _scheduler_finished(self, seq_ids: List[int]) -> List[RequestOutput]:
+        outputs = []
+        for seq_id in seq_ids:
+            req = self.requests.get(self._request_of.get(seq_id, ""))
+            if req is not None and req.seq.seq_id == seq_id and req.seq.is_finished():
+                outputs.append(self._advance_request(req))
+        return outputs
+
+    def _make_outputs(self, out: SchedulerOutput, sampling_seqs: List[Sequence], result) -> List[RequestOutput]:
+        outputs = []
+        for row, seq in enumerate(sampling_seqs):
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted while the step ran
+                continue
+            if result.logprobs is not None:
+                req.pending_logprobs.append(self._token_logprob(result, row))
+            outputs.append(self._advance_request(req))
+        return outputs
+
+    def _advance_request(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        new_ids = seq.output_token_ids[req.num_emitted_tokens:]
+        req.num_emitted_tokens = seq.num_output_tokens
+        text_ids = new_ids
+        if seq.is_finished() and isinstance(seq.stop_reason, int):
+            text_ids = new_ids[:-1]  # EOS / stop token: counted in usage, never shown as text
+        res = req.detok.push(text_ids)
+        delta = res.delta_text
+        if res.stop_hit is not None and not seq.is_finished():
+            self.scheduler.finish(seq.seq_id, "stop", res.stop_hit)
+        if seq.is_finished():
+            if res.stop_hit is None:
+                delta += req.detok.flush()
+            self._retire(req)
+        logprobs, req.pending_logprobs = req.pending_logprobs, []
+        return RequestOutput(
+            request_id=seq.request_id, delta_text=delta, delta_token_ids=list(new_ids),
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            finished=seq.is_finished(), finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=logprobs,
+        )
+
+    def _retire(self, req: _Request) -> None:
+        self.requests.pop(req.seq.request_id, None)
+        self._request_of.pop(req.seq.seq_id, None)
+        self.finished_by_reason[req.seq.finish_reason or "stop"] += 1
+
+    def _token_logprob(self, result, row: int) -> TokenLogprob:
+        tok = int(result.token_ids[row])
+        top = {}
+        if result.top_ids is not None:
+            for tid, lp in zip(result.top_ids[row], result.top_logprobs[row]):
+                top[self.tokenizer.decode([int(tid)], skip_special_tokens=False)] = float(lp)
+        return TokenLogprob(token_id=tok, token=self.tokenizer.decode([tok], skip_special_tokens=False),
+                            logprob=float(result.logprobs[row]), top=top)
+
+    # ---------------------------------------------------------------- metrics
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.block_manager.num_total_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            prompt_tokens_total=self.stats["prompt_tokens"],
+            generation_tokens_total=self.stats["generation_tokens"],
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            steps_total=self.stats["steps"],
+            requests_finished=dict(self.finished_by_reason),
+        )

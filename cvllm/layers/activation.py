@@ -1,0 +1,49 @@
+"""Gated activations on a fused ``[.., 2*d]`` gate_up projection: ``act(gate) * up``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]  # [.., d]
+
+
+class GeluAndMul(nn.Module):
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(
+                f"GeluAndMul approximate must be 'none' or 'tanh', got {approximate!r}"
+            )
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]  # [.., d]
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+_ACT_AND_MUL = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu": lambda: GeluAndMul("none"),
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_new": lambda: GeluAndMul("tanh"),
+    "gelu_fast": lambda: GeluAndMul("tanh"),
+}
+
+
+def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
+    """The gated activation for a config's ``hidden_act``."""
+    if hidden_act not in _ACT_AND_MUL:
+        raise ValueError(
+            f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(sorted(_ACT_AND_MUL))}"
+        )
+    return _ACT_AND_MUL[hidden_act]()

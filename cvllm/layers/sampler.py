@@ -1,0 +1,259 @@
+"""Token sampling from the last-position logits of a step.
+
+Runs on rank 0 only (the other ranks never see logits past the LM head). The model runner
+builds one ``SamplingTensors`` per step with ``SamplingTensors.from_lists`` from the
+scheduled sequences' ``SamplingParams`` and token histories, and calls ``Sampler`` with
+the logits ``[S, V]`` (S sampled rows, V vocab). Everything stays on the logits' device;
+only ``SamplerOutput.sampled`` (and logprobs, when asked for) ever needs to go to the host.
+
+Conventions:
+- Order: repetition penalty (HF/CTRL: divide positive logits, multiply negative ones,
+  over prompt+output tokens) -> frequency & presence penalties (OpenAI, output tokens
+  only) -> greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p -> sample.
+- Logprobs follow vLLM's default ("raw logprobs"): log_softmax of the model's logits,
+  before penalties, temperature and truncation, so they describe the model, not the
+  sampling recipe.
+- Sampling is an exponential race, argmax(p / E) with E ~ Exp(1): one argmax per row, no
+  multinomial and no host sync. A seeded row draws E from a generator seeded by
+  (seed, output_index), so its token does not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+_GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling values of one step, on the logits' device (rank 0)."""
+
+    temperature: torch.Tensor  # [S] float32; greedy rows hold 1.0 (they never divide)
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64; V where disabled
+    min_p: torch.Tensor  # [S] float32
+    presence_penalty: torch.Tensor  # [S] float32
+    frequency_penalty: torch.Tensor  # [S] float32
+    repetition_penalty: torch.Tensor  # [S] float32
+    is_greedy: torch.Tensor  # [S] bool
+    output_counts: Optional[torch.Tensor]
+    """[S, V] int32 occurrences of each token in the output; None when no row penalizes."""
+    prompt_mask: Optional[torch.Tensor]
+    """[S, V] bool, token present in the prompt; None when no row has a repetition penalty."""
+    seeds: List[Optional[int]]
+    """Host-side per-row seeds (None: the sampler's global generator)."""
+    output_index: List[int]
+    """Host-side number of tokens each row generated before this step."""
+    greedy: List[bool]
+    """Host-side copy of ``is_greedy``."""
+    # Host-side flags, so unused stages cost nothing and never need a device sync.
+    all_greedy: bool
+    any_greedy: bool
+    do_top_k: bool
+    do_top_p: bool
+    do_min_p: bool
+    do_repetition: bool
+    do_freq_presence: bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seeds)
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        top_k: Sequence[int],
+        min_p: Sequence[float],
+        presence_penalty: Sequence[float],
+        frequency_penalty: Sequence[float],
+        repetition_penalty: Sequence[float],
+        seeds: Sequence[Optional[int]],
+        output_index: Sequence[int],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingTensors":
+        columns = [temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+                   repetition_penalty, seeds, output_index, prompt_token_ids, output_token_ids]
+        num_rows = len(temperature)
+        if any(len(c) != num_rows for c in columns):
+            lengths = [len(c) for c in columns]
+            raise ValueError(f"sampling lists disagree on the row count: {lengths}")
+        greedy = [t < _GREEDY_EPS for t in temperature]
+        # Disabled top-k becomes V so that the masking below is a no-op for that row.
+        ks = [k if 0 < k < vocab_size else vocab_size for k in top_k]
+        rep = [r != 1.0 for r in repetition_penalty]
+        fp = [f != 0.0 or p != 0.0 for f, p in zip(frequency_penalty, presence_penalty)]
+        # Greedy rows skip temperature/top-k/top-p/min-p; their values are neutralized.
+        sampled = [not g for g in greedy]
+
+        def f32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+        # Only rows that penalize contribute ids: the others' histories are never read.
+        out_ids = [o if (r or q) else () for o, r, q in zip(output_token_ids, rep, fp)]
+        output_counts = prompt_mask = None
+        if any(rep) or any(fp):
+            output_counts = _token_counts(out_ids, vocab_size, device)  # [S, V]
+        if any(rep):
+            prompt_ids = [p if r else () for p, r in zip(prompt_token_ids, rep)]
+            prompt_mask = _token_counts(prompt_ids, vocab_size, device) > 0  # [S, V]
+        return cls(
+            temperature=f32([1.0 if g else t for g, t in zip(greedy, temperature)]),
+            top_p=f32(top_p),
+            top_k=torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True),
+            min_p=f32(min_p),
+            presence_penalty=f32(presence_penalty),
+            frequency_penalty=f32(frequency_penalty),
+            repetition_penalty=f32(repetition_penalty),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            seeds=list(seeds),
+            output_index=[int(i) for i in output_index],
+            greedy=greedy,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            do_top_k=any(s and k < vocab_size for s, k in zip(sampled, ks)),
+            do_top_p=any(s and p < 1.0 for s, p in zip(sampled, top_p)),
+            do_min_p=any(s and m > 0.0 for s, m in zip(sampled, min_p)),
+            do_repetition=any(rep),
+            do_freq_presence=any(fp),
+        )
+
+
+def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """Occurrences of each token id per row, via one scatter_add on padded ids."""
+    num_rows = len(rows)
+    max_len = max((len(r) for r in rows), default=0)
+    # Padding points at an extra column V that is dropped afterwards.
+    padded = np.full((num_rows, max(max_len, 1)), vocab_size, dtype=np.int64)  # [S, L]
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    ids = torch.from_numpy(padded).to(device, non_blocking=True)  # [S, L]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=device)  # [S, V+1]
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab_size]  # [S, V]
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for one step; lives on the logits' device (rank 0)."""
+
+    sampled: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] float32, raw-model logprob of the sampled token
+    top_logprob_ids: Optional[torch.Tensor] = None  # [S, k] int64 when num_logprobs > 0
+    top_logprob_values: Optional[torch.Tensor] = None  # [S, k] float32 when num_logprobs > 0
+
+
+def _row_seed(seed: int, output_index: int) -> int:
+    """Mix (seed, output_index) with splitmix64 so neighbouring steps get unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; returns a new tensor [S, V]."""
+    if t.do_repetition:
+        assert t.output_counts is not None and t.prompt_mask is not None
+        seen = t.prompt_mask | (t.output_counts > 0)  # [S, V]
+        rp = t.repetition_penalty.unsqueeze(1)  # [S, 1]
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if t.do_freq_presence:
+        assert t.output_counts is not None
+        counts = t.output_counts.to(logits.dtype)  # [S, V]
+        logits = (logits - t.frequency_penalty.unsqueeze(1) * counts
+                  - t.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype))
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p sets; [S, V] -> [S, V]."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [S, V]
+    vocab = logits.shape[-1]
+    if t.do_top_k:
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+        sorted_logits = sorted_logits.masked_fill(ranks >= t.top_k.unsqueeze(1), float("-inf"))
+    if t.do_top_p:
+        probs = sorted_logits.softmax(dim=-1)  # [S, V], after top-k as in vLLM
+        mass_before = probs.cumsum(dim=-1) - probs  # [S, V]
+        # Keep a token while the mass before it is below top_p: the smallest set that
+        # reaches top_p. Rows at top_p == 1 are exempt: rounding must not drop their tail.
+        drop = (mass_before >= t.top_p.unsqueeze(1)) & (t.top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the top token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+class Sampler(torch.nn.Module):
+    """Turns logits into one token per row. Rank 0 only; owned by the ModelRunner."""
+
+    def __init__(self, generator: Optional[torch.Generator] = None):
+        super().__init__()
+        self.generator = generator
+        """Generator for rows without a seed; None uses torch's default for the device."""
+
+    def forward(self, logits: torch.Tensor, t: SamplingTensors,
+                num_logprobs: int = 0) -> SamplerOutput:
+        """``logits`` [S, V] float32 is not modified in place."""
+        if logits.dim() != 2 or logits.shape[0] != t.num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
+        raw = logits
+        logits = apply_penalties(logits, t)
+        sampled = logits.argmax(dim=-1)  # [S]
+        if not t.all_greedy:
+            random = self._sample(logits, t)  # [S]
+            sampled = torch.where(t.is_greedy, sampled, random) if t.any_greedy else random
+        return self._logprobs(raw, sampled, num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        logits = logits / t.temperature.unsqueeze(1)  # [S, V]
+        if t.do_top_k or t.do_top_p:
+            logits = apply_top_k_top_p(logits, t)
+        probs = logits.softmax(dim=-1)  # [S, V]
+        if t.do_min_p:
+            floor = t.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = self._exponential_noise(probs, t)  # [S, V]
+        return (probs / noise).argmax(dim=-1)  # [S]
+
+    def _exponential_noise(self, probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Exp(1) noise [S, V]: seeded rows from their own stream, the rest from the global one."""
+        noise = torch.empty_like(probs)
+        # Greedy rows never read their noise, so they get no generator of their own.
+        seeded = [i for i, s in enumerate(t.seeds) if s is not None and not t.greedy[i]]
+        if len(seeded) < t.num_rows:
+            noise.exponential_(generator=self.generator)
+        vocab = probs.shape[-1]
+        for i in seeded:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(_row_seed(int(t.seeds[i]), t.output_index[i]))
+            noise[i] = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
+        # An exact 0 would turn p / 0 into inf (or nan for a masked token).
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+        # logsumexp + gather avoids materializing a full [S, V] log_softmax.
+        lse = raw.logsumexp(dim=-1)  # [S]
+        chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1) - lse  # [S]
+        out = SamplerOutput(sampled=sampled, logprobs=chosen)
+        if num_logprobs > 0:
+            k = min(num_logprobs, raw.shape[-1])
+            values, ids = raw.topk(k, dim=-1)  # [S, k]
+            out.top_logprob_ids = ids
+            out.top_logprob_values = values - lse.unsqueeze(1)
+        return out

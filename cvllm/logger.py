@@ -1,0 +1,42 @@
+"""Logging set-up for every rank: one ``cvllm`` logger, optional per-rank log file.
+
+Called once by ``cli.py`` (the composition root); library modules only do
+``logging.getLogger("cvllm.<module>")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+_FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def init_logging(rank: int = 0, log_file: Optional[str] = None, level: str = "INFO") -> logging.Logger:
+    """Send ``cvllm`` logs to stderr and, with ``--log``, to ``<log_file>`` (rank 0) or
+    ``<log_file>.rank<N>`` (other ranks) so every rank keeps its own file."""
+    logger = logging.getLogger("cvllm")
+    logger.setLevel(level.upper())
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    handlers = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        path = log_file if rank == 0 else f"{log_file}.rank{rank}"
+        handlers.append(logging.FileHandler(path, encoding="utf-8"))
+    for h in handlers:
+        h.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        h.addFilter(_RankFilter(rank))
+        logger.addHandler(h)
+    logger.propagate = False
+    return logger

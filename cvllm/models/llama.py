@@ -1,0 +1,286 @@
+"""Llama-family decoder (LlamaForCausalLM; MistralForCausalLM = Llama + sliding window).
+
+Built by the worker on every rank (``get_model_class(arch)(model_config)``, under the
+target ``torch.device`` context), holding this rank's weight shards; it owns no KV cache.
+``forward(input_ids, positions, attn_metadata, kv_caches)`` takes the worker's per-layer
+``(k_cache, v_cache)`` list explicitly each step, so CUDA-graph capture and several
+engines in one process need no binding step. Every setting is read from the config
+(DESIGN rule 10): head_dim, rope (type, theta, scaling, partial factor), attention_bias,
+mlp_bias, rms_norm_eps, tie_word_embeddings, hidden_act, sliding_window.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from cvllm.attention.kv_cache import KVCache
+from cvllm.attention.metadata import AttentionMetadata
+from cvllm.config import ModelConfig
+from cvllm.distributed import parallel_state
+from cvllm.layers.activation import get_act_and_mul_fn
+from cvllm.layers.attention import Attention
+from cvllm.layers.embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
+from cvllm.layers.layernorm import RMSNorm
+from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+from cvllm.layers.utils import divide, torch_dtype
+from cvllm.models import utils as model_utils
+from cvllm.quantization.base import QuantizationConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str,
+    ):
+        super().__init__()
+        hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+        bias = bool(config.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden,
+            [inter, inter],
+            bias=bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            inter,
+            hidden,
+            bias=bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = get_act_and_mul_fn(config.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str,
+        sliding_window: Optional[int],
+    ):
+        super().__init__()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        hidden = config.get("hidden_size")
+        self.head_dim = config.head_dim
+        self.num_heads = divide(config.num_heads, tp_size)
+        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        bias = bool(config.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            self.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim,
+            hidden,
+            bias=bias,
+            params_dtype=dtype,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=sliding_window,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H * D]
+        return self.o_proj(out)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str,
+        sliding_window: Optional[int],
+    ):
+        super().__init__()
+        hidden, eps = config.get("hidden_size"), float(config.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(
+            config, rotary_emb, dtype, quant_config, f"{prefix}.self_attn", sliding_window
+        )
+        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        quant_config: Optional[QuantizationConfig],
+        sliding_window: Optional[int] = None,
+        prefix: str = "model",
+    ):
+        super().__init__()
+        hidden = config.get("hidden_size")
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens"
+        )
+        rotary_emb = get_rope(
+            config.head_dim,
+            config.max_model_len,
+            rope_parameters_from_config(config.hf_config),
+            config.native_max_len,
+            is_neox_style=True,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                config, rotary_emb, dtype, quant_config, f"{prefix}.layers.{i}", sliding_window
+            )
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)), dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+    # Non-weights some checkpoints carry.
+    ignored_weight_substrings = (
+        "rotary_emb.inv_freq",
+        "rotary_emb.cos_cached",
+        "rotary_emb.sin_cached",
+    )
+
+    def __init__(
+        self, model_config: ModelConfig, quant_config: Optional[QuantizationConfig] = None
+    ):
+        super().__init__()
+        self.config = model_config
+        dtype = torch_dtype(model_config.dtype)
+        self.model = LlamaModel(
+            model_config, dtype, quant_config, self._sliding_window(model_config)
+        )
+        hidden = model_config.get("hidden_size")
+        self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            model_config.vocab_size, hidden, params_dtype=dtype, prefix="lm_head"
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(model_config.vocab_size)
+
+    @staticmethod
+    def _sliding_window(model_config: ModelConfig) -> Optional[int]:
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; writes this
+        step's K/V into ``kv_caches[layer]``."""
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[S, hidden] -> [S, vocab]`` float32."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...); raises
+        ``WeightLoadError`` listing unknown or missing ones."""
+        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return model_utils.load_weights_with_mapping(
+            self, weights, self.stacked_params_mapping, self.ignored_weight_substrings, skip
+        )
+
+    def init_dummy_weights(self, seed: int) -> None:
+        model_utils.init_dummy_weights(self, seed)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with an optional ``sliding_window`` over the attention context."""
+
+    @staticmethod
+    def _sliding_window(model_config: ModelConfig) -> Optional[int]:
+        window = model_config.get("sliding_window")
+        return int(window) if window else None

@@ -1,0 +1,35 @@
+"""HF architecture name -> model class, imported lazily by module name.
+
+Read by the worker (and the loader, to reject an unsupported checkpoint early) with the
+``architectures[0]`` of config.json or the GGUF's ``general.architecture`` mapped to it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Dict, List, Tuple
+
+# architecture -> (module under cvllm.models, class name)
+_MODELS: Dict[str, Tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture has no model class here; the message lists those that do."""
+
+
+def supported_architectures() -> List[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        supported = ", ".join(supported_architectures())
+        raise UnsupportedArchitectureError(
+            f"unsupported model architecture {architecture!r}; supported: {supported}"
+        )
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"cvllm.models.{module_name}")
+    return getattr(module, class_name)

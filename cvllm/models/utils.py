@@ -1,0 +1,115 @@
+"""Weight-loading and dummy-init helpers shared by the model classes.
+
+Called by a model's ``load_weights`` / ``init_dummy_weights`` on every rank; each
+parameter's own ``weight_loader`` (set by its layer) cuts this rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from cvllm.layers.layernorm import RMSNorm
+from cvllm.layers.utils import default_weight_loader
+
+# (fused parameter name part, checkpoint name part, shard_id)
+StackedParamsMapping = Sequence[Tuple[str, str, object]]
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint tensors do not fit the model (unknown, missing, or mis-shaped); the
+    message lists them by their checkpoint (HF) names."""
+
+
+def load_weights_with_mapping(
+    model: nn.Module,
+    weights: Iterable[Tuple[str, torch.Tensor]],
+    stacked_params_mapping: StackedParamsMapping,
+    ignore_substrings: Sequence[str] = (),
+    skip_names: Sequence[str] = (),
+) -> Set[str]:
+    """Load HF-named tensors into ``model``: names containing a checkpoint part of
+    ``stacked_params_mapping`` go to the fused parameter with their ``shard_id``, the rest
+    by name. Raises ``WeightLoadError`` on unknown or missing tensors; returns the names
+    loaded. Ends with every layer's ``process_weights_after_loading``."""
+    params = dict(model.named_parameters())
+    seen: Set[str] = set()
+    unknown: List[str] = []
+    for name, tensor in weights:
+        if name in skip_names or any(s in name for s in ignore_substrings):
+            continue
+        target, shard_id = name, None
+        for param_part, ckpt_part, sid in stacked_params_mapping:
+            if ckpt_part in name:
+                target, shard_id = name.replace(ckpt_part, param_part), sid
+                break
+        param = params.get(target)
+        if param is None:
+            unknown.append(name)
+            continue
+        _load_one(param, tensor, shard_id, name)
+        seen.add(name)
+    if unknown:
+        raise WeightLoadError(
+            f"checkpoint has {len(unknown)} tensor(s) the model does not know: "
+            f"{', '.join(sorted(unknown))}"
+        )
+    missing = _missing(params, seen, stacked_params_mapping)
+    if missing:
+        raise WeightLoadError(
+            f"checkpoint lacks {len(missing)} tensor(s) the model needs: {', '.join(missing)}"
+        )
+    process_weights_after_loading(model)
+    return seen
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as e:
+        raise WeightLoadError(f"{name}: {e}") from e
+
+
+def _missing(params: dict, seen: Set[str], mapping: StackedParamsMapping) -> List[str]:
+    """Checkpoint names still needed: a fused parameter is satisfied by its pre-fused name
+    or by all of its parts."""
+    missing: List[str] = []
+    for pname in params:
+        parts = [pname.replace(p, c) for p, c, _ in mapping if p in pname]
+        if pname in seen:
+            continue
+        if parts:
+            missing.extend(n for n in parts if n not in seen)
+        else:
+            missing.append(pname)
+    return sorted(missing)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights for ``--load-format dummy``: norms 1, everything else N(0, std).
+    Deterministic per (seed, parameter order), generated on each parameter's device."""
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for i, (_, param) in enumerate(model.named_parameters()):
+        if id(param) in norm_params:
+            param.data.fill_(1.0)
+            continue
+        gen = torch.Generator(device=param.device).manual_seed(seed * 100003 + i)
+        values = (
+            torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32) * std
+        )
+        param.data.copy_(values)
+    process_weights_after_loading(model)

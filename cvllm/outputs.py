@@ -1,0 +1,64 @@
+"""What the engine hands back per request, per step.
+
+Built by ``engine/`` on rank 0 after each step (one ``RequestOutput`` per request that
+produced new text or finished), consumed by the server and by the offline ``LLM`` API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: Dict[str, float] = field(default_factory=dict)
+    """The ``logprobs`` most likely tokens at this position (text -> log-probability)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta_text: str
+    """Text that became final in this step (never half a UTF-8 character)."""
+    delta_token_ids: List[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    """All tokens generated so far, including those of this step."""
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    """'stop' (EOS, stop token or stop string), 'length' or 'abort'."""
+    stop_reason: Optional[object] = None
+    """The stop string or token id that ended the request, when there is one."""
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+    """One entry per token of ``delta_token_ids`` when logprobs were requested."""
+
+
+@dataclass
+class CompletionResult:
+    """A whole generation, as returned by the offline ``LLM.generate``."""
+
+    request_id: str
+    prompt_token_ids: List[int]
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+
+
+@dataclass
+class EngineMetrics:
+    """A snapshot of the engine for ``/metrics`` and logs (rank 0 only)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    steps_total: int = 0
+    requests_finished: Dict[str, int] = field(default_factory=dict)
+    """Finished requests by finish reason."""

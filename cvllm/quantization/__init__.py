@@ -1,0 +1,1 @@
+"""Quantization configs and linear methods (the math a parallel linear delegates to)."""

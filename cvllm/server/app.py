@@ -1,0 +1,99 @@
+"""The OpenAI-compatible aiohttp application, and helpers to run it.
+
+``build_app(engine, settings)`` is called once by the CLI on rank 0. The engine is
+duck-typed (``AsyncEngine`` in docs/interfaces.md) so this package never imports torch.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}],
+GET /health, GET /metrics.
+
+Any aiohttp runner works. ``start_server``/``run_server`` also pass
+``handler_cancellation=True``, so a client that disconnects cancels its handler (and so
+aborts its engine requests) at once rather than at the handlers' next disconnect poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+
+from cvllm.server import handlers, protocol
+from cvllm.server.context import CONTEXT_KEY, ServerContext, ServerSettings
+from cvllm.server.metrics import CONTENT_TYPE, render_metrics
+from cvllm.server.middleware import auth_middleware, error_middleware, json_dumps
+
+__all__ = ["ServerSettings", "build_app", "start_server", "run_server", "serve_forever"]
+
+
+def build_app(engine: Any, settings: ServerSettings) -> web.Application:
+    middlewares = [error_middleware]
+    if settings.api_key:
+        middlewares.append(auth_middleware(settings.api_key))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
+    app[CONTEXT_KEY] = ServerContext(engine, settings)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", list_models)
+    # Model ids such as "Qwen/Qwen3-8B" contain slashes.
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+_STARTED = int(time.time())
+
+
+def _card(ctx: ServerContext) -> dict:
+    return protocol.model_card(ctx.model_name, ctx.engine.max_model_len, _STARTED)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT_KEY]
+    return web.json_response(protocol.model_list([_card(ctx)]), dumps=json_dumps)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT_KEY]
+    ctx.check_model(request.match_info["model_id"])
+    return web.json_response(_card(ctx), dumps=json_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once the engine is ready and while it is healthy; 503 otherwise."""
+    request.app[CONTEXT_KEY].check_ready()
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = render_metrics(request.app[CONTEXT_KEY].engine.metrics())
+    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def start_server(app: web.Application, settings: ServerSettings) -> web.AppRunner:
+    """Listen on settings.host:port in the running loop; the caller cleans up the runner.
+
+    The bound address (useful with port 0) is ``runner.addresses[0]``.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    return runner
+
+
+def run_server(engine: Any, settings: ServerSettings) -> None:
+    """Serve until interrupted (blocking); for a CLI that owns no event loop of its own."""
+    web.run_app(build_app(engine, settings), host=settings.host, port=settings.port,
+                handler_cancellation=True, print=None)
+
+
+async def serve_forever(engine: Any, settings: ServerSettings) -> None:
+    """Serve inside an existing event loop until cancelled."""
+    runner = await start_server(build_app(engine, settings), settings)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+

@@ -1,0 +1,182 @@
+"""The generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Run per HTTP request on rank 0's event loop. Each handler parses the body (``protocol``),
+tokenizes through the engine, resolves sampling params (``params``), fans out n engine
+requests (``generation``) and answers either one JSON body or an SSE stream (``sse``).
+The ``GenerationGroup`` is closed in a ``finally``, so a client that disconnects or an
+error aborts whatever is still running in the engine. A vanished client is noticed by
+``cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was given
+``handler_cancellation=True``, which ``web.run_app`` does not do by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import AsyncIterator, List, Union
+
+from aiohttp import web
+
+from cvllm.server import protocol
+from cvllm.server.context import CONTEXT_KEY, ServerContext
+from cvllm.server.generation import ChoiceState, GenerationGroup
+from cvllm.server.middleware import json_dumps
+from cvllm.server.params import fan_out, resolve_sampling_params
+from cvllm.server.protocol import ApiError, ChatShapes, CompletionShapes
+from cvllm.server.sse import SSEStream
+
+logger = logging.getLogger(__name__)
+
+Shapes = Union[ChatShapes, CompletionShapes]
+
+
+async def _read_body(request: web.Request) -> dict:
+    # request.read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
+    return protocol.parse_json_body(await request.read())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT_KEY]
+    req = protocol.parse_chat_request(await _read_body(request))
+    ctx.check_model(req.model)
+    ctx.check_ready()
+    try:
+        prompt_ids = list(ctx.engine.render_chat(req.messages, **req.chat_template_kwargs))
+    except ValueError as exc:  # template errors (e.g. roles out of order) are the client's
+        raise ApiError(400, f"Could not apply the chat template: {exc}",
+                       param="messages") from None
+    params = resolve_sampling_params(req, ctx.engine.default_params(), len(prompt_ids),
+                                     ctx.engine.max_model_len, param="messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    shapes = ChatShapes(request_id, ctx.model_name, req.stream and req.include_usage,
+                        req.num_logprobs)
+    return await _generate(request, ctx, shapes, prompt_ids, params, req.n, req.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT_KEY]
+    req = protocol.parse_completion_request(await _read_body(request))
+    ctx.check_model(req.model)
+    ctx.check_ready()
+    if isinstance(req.prompt, str):
+        prompt_ids = list(ctx.engine.encode(req.prompt))
+    else:
+        prompt_ids = req.prompt
+    params = resolve_sampling_params(req, ctx.engine.default_params(), len(prompt_ids),
+                                     ctx.engine.max_model_len, param="prompt")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    shapes = CompletionShapes(request_id, ctx.model_name, req.stream and req.include_usage,
+                              req.num_logprobs)
+    return await _generate(request, ctx, shapes, prompt_ids, params, req.n, req.stream)
+
+
+def _engine_request_ids(request_id: str, n: int) -> List[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+async def _generate(request: web.Request, ctx: ServerContext, shapes: Shapes,
+                    prompt_ids: List[int], params, n: int, stream: bool) -> web.StreamResponse:
+    group = GenerationGroup(ctx.engine, _engine_request_ids(shapes.request_id, n),
+                            prompt_ids, fan_out(params, n))
+    try:
+        await group.start()
+    except ValueError as exc:  # the engine refused the request (contract: ValueError)
+        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
+    async with cancel_on_disconnect(request):
+        if stream:
+            return await _stream_response(request, group, shapes, len(prompt_ids))
+        return await _full_response(group, shapes, len(prompt_ids))
+
+
+DISCONNECT_POLL_S = 0.5
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: web.Request) -> AsyncIterator[None]:
+    """Cancel the current (handler) task if the client's connection goes away.
+
+    Without this a non-streamed request whose client gave up would run to the end (and a
+    streamed one in a long prefill would only notice at its first write).
+    """
+    handler = asyncio.current_task()
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                logger.info("client of %s %s disconnected", request.method, request.path)
+                handler.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        # Synchronous, so the watcher can never cancel the handler after this block.
+        watcher.cancel()
+
+
+async def _full_response(group: GenerationGroup, shapes: Shapes,
+                         prompt_tokens: int) -> web.Response:
+    states = [ChoiceState(i) for i in range(group.n)]
+    try:
+        async for index, out in group.outputs():
+            states[index].add(out)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
+    finally:
+        # Also runs on CancelledError when the client disconnects: aborts in the engine.
+        await group.aclose()
+    body = shapes.response([s.result() for s in states], prompt_tokens)
+    return web.json_response(body, dumps=json_dumps)
+
+
+async def _stream_response(request: web.Request, group: GenerationGroup, shapes: Shapes,
+                           prompt_tokens: int) -> web.StreamResponse:
+    sse = SSEStream(request)
+    states = [ChoiceState(i) for i in range(group.n)]
+    try:
+        await sse.prepare()
+        for state in states:
+            first = shapes.stream_start(state.index)
+            if first is not None:
+                await sse.send(first)
+        async for index, out in group.outputs():
+            state = states[index]
+            offset = state.text_len
+            state.add(out)
+            if out.delta_text or out.logprobs:
+                await sse.send(shapes.stream_delta(index, out.delta_text, out.logprobs, offset))
+            if out.finished:
+                await sse.send(shapes.stream_finish(index, state.finish_reason))
+        for state in states:
+            if not state.finished:
+                await sse.send(shapes.stream_finish(state.index, "abort"))
+        if shapes.include_usage:
+            used = sum(s.num_output_tokens for s in states)
+            await sse.send(shapes.usage_chunk(prompt_tokens, used))
+        await sse.done()
+    except ConnectionResetError:
+        logger.info("client disconnected from %s; request aborted", shapes.request_id)
+    except Exception as exc:
+        await _stream_error(sse, shapes.request_id, exc)
+    finally:
+        await group.aclose()
+    return sse.response
+
+
+async def _stream_error(sse: SSEStream, request_id: str, exc: Exception) -> None:
+    """Headers are gone already, so an error mid-stream travels as an event."""
+    if isinstance(exc, ValueError):
+        body = protocol.error_body(str(exc), param=getattr(exc, "param", None))
+    else:
+        logger.exception("error while streaming %s", request_id)
+        body = protocol.error_body("Internal server error; see the server log.", "server_error")
+    try:
+        await sse.send(body)
+        await sse.done()
+    except ConnectionResetError:
+        pass
