@@ -62,6 +62,16 @@ def build_llm_engine(
     from cvllm import loader
     from cvllm.worker.model_runner import ModelRunner
 
+    # Check every flag before the (slow) model load, so a typo fails in a second.
+    cache = CacheConfig(block_size=block_size, kvcache_mem_mb=kvcache_mem_mb,
+                        gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks)
+    SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max(max_model_len, 1),
+                    prefill_chunk_size=prefill_chunk_size)
+    if max_model_len < 0:
+        raise ConfigError(f"--max-model-len must be >= 0 (0: the model's own), got {max_model_len}")
+    if max_gen_tokens < 0:
+        raise ConfigError(f"--max-gen-tokens must be >= 0 (0: derived), got {max_gen_tokens}")
+    _sampling_defaults(sampling_overrides or {}, {})
     device = _pick_device(cpu, device_ids or [0])
     dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
     source = loader.resolve_model_source(weight_path, weight_file, model_id)
@@ -72,8 +82,7 @@ def build_llm_engine(
     defaults = _sampling_defaults(sampling_overrides or {}, loader.generation_defaults(source))
     config = EngineConfig(
         model=model_config,
-        cache=CacheConfig(block_size=block_size, kvcache_mem_mb=kvcache_mem_mb,
-                          gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks),
+        cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
                                   prefill_chunk_size=prefill_chunk_size),
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
