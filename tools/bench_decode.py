@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 from cvllm.engine.llm import LLM
@@ -48,6 +49,17 @@ def measure(llm: LLM, streams: int, tokens: int) -> dict:
     }
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-file", default=None, help="a .gguf file (default: the default model)")
@@ -68,7 +80,8 @@ def main() -> None:
         "model": llm.engine.config.served_model_name,
         "device": llm.engine.config.device.device,
         "dtype": llm.engine.config.model.dtype,
-        "machine": platform.processor() or platform.machine(),
+        "machine": _cpu_name(),
+        "command": " ".join(["python"] + sys.argv),
         "torch_threads": torch.get_num_threads(),
         "results": results,
     }
