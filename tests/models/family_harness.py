@@ -122,3 +122,30 @@ def check_against_hf(hf_model, folder: Path, prompts: Sequence[List[int]] = PROM
 
 def hf_config_of(folder: Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+def cvllm_gguf_llm(folder: Path, gguf_name: str) -> LLM:
+    """cvllm loading ``folder/gguf_name`` (weights, config) with the folder's tokenizer."""
+    return LLM(weight_path=str(folder), weight_file=gguf_name, cpu=True, dtype="f32", max_model_len=128)
+
+
+def check_gguf_against_hf(hf_model, folder: Path, gguf_name: str, prompts: Sequence[List[int]] = PROMPTS,
+                          atol: float = LOGITS_ATOL, transformers_loads: bool = True) -> None:
+    """The GGUF copy of a tiny model gives HF's logits and greedy tokens through cvllm; when
+    transformers' GGUF loader knows the architecture, it reads the same file to the same
+    logits (so the file follows llama.cpp's conventions, not only cvllm's)."""
+    hf_model.eval()
+    llm = cvllm_gguf_llm(folder, gguf_name)
+    reference = hf_last_logits(hf_model, prompts)
+    for i, (ours, theirs) in enumerate(zip(cvllm_last_logits(llm, prompts), reference)):
+        err = (ours - theirs).abs().max().item()
+        assert err <= atol, f"GGUF prompt {i}: max |logit diff| {err:.2e} > {atol:.0e}"
+    assert cvllm_greedy(llm, prompts) == hf_greedy(hf_model, prompts)
+    if transformers_loads:
+        from transformers import AutoModelForCausalLM
+
+        theirs_model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_name,
+                                                            dtype=torch.float32).eval()
+        for i, (a, b) in enumerate(zip(hf_last_logits(theirs_model, prompts), reference)):
+            err = (a - b).abs().max().item()
+            assert err <= atol, f"transformers reading the GGUF, prompt {i}: {err:.2e} > {atol:.0e}"

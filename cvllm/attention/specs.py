@@ -1,0 +1,89 @@
+"""What each decoder layer keeps between steps: the per-layer cache specs.
+
+A model class declares them with ``cache_specs() -> list[LayerCacheSpec]`` (one entry per
+layer, in layer order; models without the method get ``FullAttentionSpec`` for every
+layer from their config). The worker allocates ``kv_caches[i]`` from ``specs[i]`` and the
+scheduler sizes block pools and state slots from them. What ``kv_caches[i]`` holds:
+
+- ``FullAttentionSpec`` / ``SlidingWindowSpec``: ``(k_cache, v_cache)``, each
+  ``[num_blocks, block_size, Hkv, D]``, addressed through block tables.
+- ``MLASpec``: ``(kv_cache, None)`` with ``kv_cache [num_blocks, block_size,
+  kv_lora_rank + qk_rope_head_dim]``: the compressed latent and the rope key, per token.
+- ``StateSpec``: a tuple of tensors ``[num_state_slots, *shape]`` (e.g. a conv state and
+  a recurrent state), one slot per running sequence, addressed by
+  ``attn_metadata.state_slots``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return None
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    window: int
+    """Tokens a query attends back to (HF ``sliding_window``); older blocks can be freed."""
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return self.window
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return None
+
+    def bytes_per_token(self) -> int:
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    shapes: Tuple[Tuple[int, ...], ...]
+    """Shape of each state tensor of one sequence (e.g. conv state, recurrent state)."""
+    dtypes: Tuple[torch.dtype, ...]
+
+    def bytes_per_slot(self) -> int:
+        total = 0
+        for shape, dt in zip(self.shapes, self.dtypes):
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * _itemsize(dt)
+        return total
+
+
+LayerCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLASpec, StateSpec]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
