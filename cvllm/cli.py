@@ -45,6 +45,9 @@ def _model_options(f: Callable) -> Callable:
                      help="Context length (default: the model's own)."),
         click.option("--prefill-chunk-size", type=int, default=8192, show_default=True,
                      help="Most prompt tokens per sequence per step; 0 disables chunking."),
+        click.option("--yarn-scaling-factor", type=float, default=None,
+                     help="Override the model's rope scaling with YaRN at this factor; the "
+                          "context becomes factor x max_position_embeddings."),
         click.option("--max-gen-tokens", type=int, default=0,
                      help="Default max_tokens (default max_model_len/5 in [128, 16384])."),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -100,6 +103,7 @@ def build_engine(kw: Dict[str, Any]):
         max_model_len=kw["max_model_len"], prefill_chunk_size=kw["prefill_chunk_size"],
         max_gen_tokens=kw["max_gen_tokens"], seed=kw["seed"], load_format=kw["load_format"],
         served_model_name=kw.get("served_model_name"),
+        yarn_scaling_factor=kw.get("yarn_scaling_factor"),
         sampling_overrides={k: kw.get(k) for k in _SAMPLING_KEYS},
     )
 

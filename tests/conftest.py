@@ -35,3 +35,17 @@ def hf_smollm(default_gguf):
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return tok, model.eval()
+
+
+@pytest.fixture(autouse=True)
+def _reset_cvllm_logger():
+    """``cli`` calls ``init_logging``, which detaches the ``cvllm`` logger from the root;
+    put it back after each test so ``caplog`` sees later tests' records."""
+    import logging
+
+    yield
+    logger = logging.getLogger("cvllm")
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)

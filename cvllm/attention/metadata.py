@@ -11,11 +11,26 @@ Token order is the scheduler's: sequence ``b`` owns the query tokens
 first; the backends use ``num_decodes`` to split the batch into an all-decode head and a
 prefill tail (a tail that still holds single-token rows is handled correctly, just
 slower). Tokens past ``num_tokens`` (padding, e.g. for CUDA graphs) are ignored.
+
+KV cache groups (``core/kv_cache_manager.py``): each group has its own ``slot_mapping``
+and ``block_tables``; everything else is shared. The object the model receives is group
+0's (full attention, or the only group); ``view(sliding_window)`` returns the one of the
+group with that window (``layers/attention.py`` calls it with the layer's window; MLA
+layers use ``view(None)``). With a single group every window maps to it. Block-table
+entries of freed out-of-window blocks (-1) are clamped to block 0: their positions are
+masked by the window, so the backend never uses what it reads there.
+
+Linear-attention layers read ``state_slots [B]`` (each sequence's slot in its
+``StateSpec`` tensors) and ``has_initial_state [B]`` (the sequence had computed tokens
+before this step). The worker zeroes the slot of every sequence with
+``has_initial_state == False`` before the forward, so a layer may read its slot either way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,10 +61,29 @@ class AttentionMetadata:
     """Most query tokens of one of the other sequences (0 when none)."""
     query_start_loc_cpu: np.ndarray  # [B+1] int64 host copy, for host-side planning
     seq_lens_cpu: np.ndarray  # [B] int64 host copy
+    has_initial_state: Optional[torch.Tensor] = None  # [B] bool: computed tokens before this step
+    state_slots: Optional[torch.Tensor] = None  # [B] int64: linear-attention state slot, -1 none
+    sliding_window: Optional[int] = None
+    """Window of the KV cache group whose slot_mapping / block_tables these are."""
+    groups: Dict[Optional[int], "AttentionMetadata"] = field(default_factory=dict, repr=False)
+    """Every group's view by window (this one included); shared by all views."""
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def view(self, sliding_window: Optional[int]) -> "AttentionMetadata":
+        """The metadata of the KV cache group of layers with ``sliding_window``."""
+        if len(self.groups) <= 1:
+            return self
+        key = int(sliding_window) if sliding_window else None
+        view = self.groups.get(key)
+        if view is None:
+            raise KeyError(
+                f"no KV cache group for sliding_window={key}; "
+                f"groups: {sorted(self.groups, key=str)}"
+            )
+        return view
 
     @classmethod
     def build(
@@ -60,8 +94,15 @@ class AttentionMetadata:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         device: torch.device | str,
+        sliding_window: Optional[int] = None,
+        extra_groups: Sequence[Tuple[Optional[int], np.ndarray, np.ndarray]] = (),
+        state_slots: Optional[np.ndarray] = None,
     ) -> "AttentionMetadata":
-        """Check the host arrays, derive the split sizes, copy everything to ``device``."""
+        """Check the host arrays, derive the split sizes, copy everything to ``device``.
+
+        ``slot_mapping`` / ``block_tables`` are group 0's (window ``sliding_window``);
+        ``extra_groups`` are ``(window, slot_mapping [T], block_tables [B, M])`` of the
+        others; ``state_slots [B]`` defaults to -1 (no state layers)."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)  # [B+1]
         sl = np.asarray(seq_lens, dtype=np.int64)  # [B]
         bt = np.asarray(block_tables, dtype=np.int64)  # [B, M]
@@ -76,7 +117,12 @@ class AttentionMetadata:
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
-        return cls(
+        B = sl.shape[0]
+        slots_b = (np.full(B, -1, np.int64) if state_slots is None
+                   else np.asarray(state_slots, np.int64))  # [B]
+        if slots_b.shape != (B,):
+            raise ValueError(f"state_slots {slots_b.shape} must be [B={B}]")
+        meta = cls(
             slot_mapping=dev(slots, torch.int64),
             query_start_loc=dev(qsl, torch.int32),
             seq_lens=dev(sl, torch.int32),
@@ -91,6 +137,27 @@ class AttentionMetadata:
             prefill_max_query_len=_max(qlens[pre]),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
+            has_initial_state=dev(sl - qlens > 0, torch.bool),
+            state_slots=dev(slots_b, torch.int64),
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+        meta.groups[meta.sliding_window] = meta
+        for window, g_slots, g_tables in extra_groups:
+            meta._add_group(window, g_slots, g_tables, dev)
+        return meta
+
+    def _add_group(self, window: Optional[int], slots, tables, dev) -> None:
+        key = int(window) if window else None
+        if key in self.groups:
+            raise ValueError(f"two KV cache groups with sliding_window={key}")
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)  # [T]
+        bt = np.asarray(tables, dtype=np.int64)  # [B, M]
+        if bt.size == 0:
+            bt = np.zeros((self.num_seqs, 0), dtype=np.int64)
+        _check_shapes(slots, self.query_start_loc_cpu, self.seq_lens_cpu, bt)
+        self.groups[key] = dataclasses.replace(
+            self, slot_mapping=dev(slots, torch.int64),
+            block_tables=dev(np.maximum(bt, 0), torch.int32), sliding_window=key,
         )
 
 

@@ -1,9 +1,12 @@
 """What each decoder layer keeps between steps: the per-layer cache specs.
 
 A model class declares them with ``cache_specs() -> list[LayerCacheSpec]`` (one entry per
-layer, in layer order; models without the method get ``FullAttentionSpec`` for every
-layer from their config). The worker allocates ``kv_caches[i]`` from ``specs[i]`` and the
-scheduler sizes block pools and state slots from them. What ``kv_caches[i]`` holds:
+layer, in layer order, with this rank's KV heads). For a model without the method the
+worker derives them from its ``layers.attention.Attention`` modules when there is one per
+layer (``SlidingWindowSpec`` where the layer has a window), else ``FullAttentionSpec``
+for every layer from the config. The worker groups layers into KV cache groups and
+allocates ``kv_caches[i]`` from ``specs[i]`` (``attention/kv_cache.py``); the scheduler
+sizes block pools and state slots from them. What ``kv_caches[i]`` holds:
 
 - ``FullAttentionSpec`` / ``SlidingWindowSpec``: ``(k_cache, v_cache)``, each
   ``[num_blocks, block_size, Hkv, D]``, addressed through block tables.
@@ -11,7 +14,12 @@ scheduler sizes block pools and state slots from them. What ``kv_caches[i]`` hol
   kv_lora_rank + qk_rope_head_dim]``: the compressed latent and the rope key, per token.
 - ``StateSpec``: a tuple of tensors ``[num_state_slots, *shape]`` (e.g. a conv state and
   a recurrent state), one slot per running sequence, addressed by
-  ``attn_metadata.state_slots``.
+  ``attn_metadata.state_slots [B]``; ``num_state_slots`` = ``max_num_seqs``. The worker
+  zeroes a sequence's slot before a step in which ``attn_metadata.has_initial_state`` is
+  False for it (its first chunk, also after preemption), so the layer may read it.
+
+Full and MLA layers share KV cache group "None" (``attn_metadata.view(None)``); sliding
+layers share the group of their window (``attn_metadata.view(window)``).
 """
 
 from __future__ import annotations

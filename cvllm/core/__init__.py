@@ -1,7 +1,13 @@
 """Scheduling core (rank 0 only, pure Python + numpy, never torch): sequences, KV block
 bookkeeping, the continuous-batching scheduler and the StepInput wire format."""
 
-from cvllm.core.block_manager import BlockManager, BlockManagerError, NoFreeBlocksError
+from cvllm.core.block_manager import (
+    PLACEHOLDER_BLOCK,
+    BlockManager,
+    BlockManagerError,
+    NoFreeBlocksError,
+)
+from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout, KVCacheManager
 from cvllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from cvllm.core.sequence import Sequence, SequenceStatus
 from cvllm.core.step_input import (
@@ -15,7 +21,8 @@ from cvllm.core.step_input import (
 )
 
 __all__ = [
-    "BlockManager", "BlockManagerError", "NoFreeBlocksError", "ScheduledSeq", "Scheduler",
+    "PLACEHOLDER_BLOCK", "BlockManager", "BlockManagerError", "NoFreeBlocksError",
+    "KVCacheGroupConfig", "KVCacheLayout", "KVCacheManager", "ScheduledSeq", "Scheduler",
     "SchedulerOutput", "Sequence", "SequenceStatus", "ControlMessage", "MessageHeader",
     "MessageKind", "StepInput", "StepInputError", "build_step_input", "unpack_message",
 ]

@@ -15,8 +15,15 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
      when nothing was preempted this step. With ``prefill_chunk_size == 0`` the whole
      uncomputed part must fit in one step, or the sequence waits.
 When a running sequence cannot get a block, the most recently admitted running sequence
-(possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens
-goes back to 0, its output tokens are kept and it re-enters at the FRONT of the queue.
+(possibly itself) is preempted by recompute: its blocks (and state slot) are freed,
+num_computed_tokens goes back to 0, its output tokens are kept and it re-enters at the
+FRONT of the queue.
+
+KV cache groups (``core/kv_cache_manager.py``): a sequence is admitted or given tokens
+only when every group has its blocks, and a linear-attention state slot is assigned on
+admission. After each step (``update``) sliding-window groups free the blocks no future
+query can see, so such a group holds at most ``ceil((W - 1 + n) / bs) + 1`` blocks per
+sequence given ``n`` new tokens.
 
 A sequence that can never run (its known tokens need more blocks than the whole cache, or,
 without chunking, more tokens than the step budget) is finished with reason 'length'
@@ -31,6 +38,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from cvllm.config import SchedulerConfig
 from cvllm.core.block_manager import BlockManager
+from cvllm.core.kv_cache_manager import KVCacheManager
 from cvllm.core.sequence import Sequence, SequenceStatus
 
 
@@ -81,9 +89,17 @@ class _StepBuilder:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: Union[BlockManager, KVCacheManager]
+    ) -> None:
+        """``block_manager``: a ``KVCacheManager`` (every group), or one ``BlockManager``
+        for a model with a single group and no state layers."""
         self.config = config
-        self.block_manager = block_manager
+        if isinstance(block_manager, BlockManager):
+            block_manager = KVCacheManager([block_manager])
+        self.kv_cache_manager = block_manager
+        self.block_manager = block_manager.groups[0]
+        """Group 0's block manager (the only one of most models)."""
         self.waiting: deque[Sequence] = deque()
         self.running: List[Sequence] = []
         """In admission order: the last one is the first to be preempted."""
@@ -121,7 +137,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
+        if (seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens
+                or any(seq.block_ids_by_group) or seq.state_slot >= 0):
             raise ValueError(f"only a fresh WAITING sequence can be added, got {seq!r}")
         if seq.num_tokens > self.config.max_model_len:
             raise ValueError(
@@ -167,7 +184,7 @@ class Scheduler:
         if seq.seq_id in self._in_flight_ids:
             self._deferred_free.append(seq)  # other ranks may still be writing its blocks
         else:
-            self.block_manager.free(seq)
+            self.kv_cache_manager.free(seq)
 
     # ----- schedule ------------------------------------------------------------------
 
@@ -205,7 +222,7 @@ class Scheduler:
             n = self._num_new_tokens(seq, step.budget)
             if n == 0 or not self._make_room(seq, n, step):
                 continue
-            self.block_manager.allocate(seq, n)
+            self.kv_cache_manager.allocate(seq, n)
             step.add(seq, n)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
@@ -215,10 +232,12 @@ class Scheduler:
                 self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
             n = self._num_new_tokens(seq, step.budget)
-            if n == 0 or not self.block_manager.can_allocate(seq, n):
+            kv = self.kv_cache_manager
+            if n == 0 or not (kv.can_allocate(seq, n) and kv.can_assign_state_slot(seq)):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.block_manager.allocate(seq, n)
+            kv.allocate(seq, n)
+            kv.assign_state_slot(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.add(seq, n)
@@ -233,8 +252,8 @@ class Scheduler:
         return n
 
     def _can_ever_fit(self, seq: Sequence) -> bool:
-        bm = self.block_manager
-        if bm.blocks_for_tokens(seq.num_tokens) > bm.num_total_blocks:
+        max_chunk = min(self.config.chunk_limit, self.config.max_num_batched_tokens)
+        if not self.kv_cache_manager.can_ever_fit(seq, max_chunk):
             return False
         no_chunking = self.config.prefill_chunk_size == 0
         return not (no_chunking and seq.num_uncomputed_tokens > self.config.max_num_batched_tokens)
@@ -244,7 +263,7 @@ class Scheduler:
 
         Returns False when seq itself had to be preempted.
         """
-        while not self.block_manager.can_allocate(seq, n):
+        while not self.kv_cache_manager.can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is seq:
@@ -256,7 +275,7 @@ class Scheduler:
         if entry is not None:  # already given tokens in this step: take them back
             step.budget += entry.num_new_tokens
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_cache_manager.free(seq)  # blocks and state slot: recompute starts afresh
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -290,6 +309,8 @@ class Scheduler:
             if seq.is_finished():
                 continue  # aborted or finished while the step was in flight
             seq.num_computed_tokens += entry.num_new_tokens
+            # Every rank is done with this step, so out-of-window blocks can go (rule 8).
+            self.kv_cache_manager.remove_out_of_window_blocks(seq)
             if not entry.samples:
                 continue
             seq.append_token(sampled[seq.seq_id])
@@ -299,7 +320,7 @@ class Scheduler:
                 finished.append(seq)
         self._in_flight, self._in_flight_ids = None, set()
         for seq in self._deferred_free:
-            self.block_manager.free(seq)
+            self.kv_cache_manager.free(seq)
         self._deferred_free = []
         return finished
 

@@ -80,8 +80,13 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (reset to 0 by preemption)."""
-        self.block_ids: List[int] = []
-        """KV blocks in position order; covers at least ``num_computed_tokens`` tokens."""
+        self.block_ids_by_group: List[List[int]] = [[]]
+        """Per KV cache group (see ``core/kv_cache_manager.py``), the block ids in position
+        order, covering at least ``num_computed_tokens`` tokens. In a sliding-window group
+        the blocks wholly before the window are freed and their entries become
+        ``PLACEHOLDER_BLOCK`` (-1), so index ``i`` always holds positions ``i*bs ..``."""
+        self.state_slot = -1
+        """Linear-attention state slot (``StateSpec`` layers) while running; -1 when none."""
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.finish_reason: Optional[str] = None
@@ -90,6 +95,21 @@ class Sequence:
         """The stop token id or stop string that ended the sequence (None for EOS)."""
         self.max_tokens: Optional[int] = params.max_tokens
         """Cap on output tokens; the engine may lower it (e.g. to fit max_model_len)."""
+
+    @property
+    def block_ids(self) -> List[int]:
+        """Block ids of KV cache group 0 (the only group of most models)."""
+        return self.block_ids_by_group[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: List[int]) -> None:
+        self.block_ids_by_group[0] = ids
+
+    def group_block_ids(self, group: int) -> List[int]:
+        """The (mutable) block id list of KV cache group ``group``."""
+        while len(self.block_ids_by_group) <= group:
+            self.block_ids_by_group.append([])
+        return self.block_ids_by_group[group]
 
     @property
     def prompt_token_ids(self) -> List[int]:
@@ -136,5 +156,5 @@ class Sequence:
             f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
             f"status={self.status.name}, tokens={self.num_tokens} "
             f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_ids)})"
+            f"blocks={[len(b) for b in self.block_ids_by_group]}, state_slot={self.state_slot})"
         )

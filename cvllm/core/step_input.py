@@ -7,7 +7,7 @@ every other rank ``unpack()``s them, checks ``step_id`` and hands the ``StepInpu
 samples, but all ranks receive the sampling rows: they are small, and a rank that takes
 over sampling later needs no new wire format.
 
-Wire format (version 1), never pickle:
+Wire format (version 2), never pickle:
 
     header  <4s H H Q Q I>: magic b"CVLS", version, kind, step_id, body length, crc32(body)
     body    (STEP only) u32 array count, then per array:
@@ -18,7 +18,16 @@ Every length is bounded before anything is allocated (DESIGN rule 12); a malform
 buffer raises ``StepInputError``.
 
 Shapes: T tokens in the step, B sequences, S sampling rows (sequences whose logits are
-sampled this step), M max blocks of any sequence in the step.
+sampled this step), M max blocks of any sequence in the step, G KV cache groups (>= 1).
+
+KV cache groups (``core/kv_cache_manager.py``): ``slot_mapping`` / ``block_tables`` are
+group 0's; groups 1.. are in ``group_slot_mapping[g-1]`` / ``group_block_tables[g-1]``;
+``kv_group_windows[g]`` is group g's sliding window (0 = full attention). In a sliding
+group, entries of blocks freed because they lie wholly before the first query's window
+are ``PLACEHOLDER_BLOCK`` (-1). ``state_slots[b]`` is sequence b's linear-attention state
+slot (-1 when the model has no state layers).
+
+Version 2 added kv_group_windows, group_slot_mapping, group_block_tables, state_slots.
 """
 
 from __future__ import annotations
@@ -28,15 +37,17 @@ import itertools
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from cvllm.core.block_manager import PLACEHOLDER_BLOCK
 from cvllm.core.scheduler import SchedulerOutput
 
 MAGIC = b"CVLS"
-VERSION = 1
+VERSION = 2
 DEFAULT_MAX_BODY_BYTES = 1 << 30
+MAX_KV_GROUPS = 64
 
 
 class StepInputError(ValueError):
@@ -80,6 +91,10 @@ _FIELDS = {
     16: ("has_seed", _I32, ("S",)),
     17: ("seeds", _I64, ("S",)),
     18: ("output_index", _I32, ("S",)),
+    19: ("kv_group_windows", _I32, ("G",)),
+    20: ("group_slot_mapping", _I64, ("G-1", "T")),
+    21: ("group_block_tables", _I32, ("G-1", "B", "M")),
+    22: ("state_slots", _I32, ("B",)),
 }
 _FIELD_IDS = {name: fid for fid, (name, _, _) in _FIELDS.items()}
 SAMPLING_FIELDS = (
@@ -193,6 +208,10 @@ class StepInput:
     has_seed: np.ndarray  # [S] int32, 0/1: whether seeds[i] is set
     seeds: np.ndarray  # [S] int64, any int64 is a valid seed
     output_index: np.ndarray  # [S] int32, tokens the sequence generated before this step
+    kv_group_windows: np.ndarray  # [G] int32, sliding window of each KV group, 0 = full
+    group_slot_mapping: np.ndarray  # [G-1, T] int64, slot_mapping of groups 1..G-1
+    group_block_tables: np.ndarray  # [G-1, B, M'] int32, block_tables of groups 1..G-1
+    state_slots: np.ndarray  # [B] int32, linear-attention state slot, -1 = none
 
     # ----- shape helpers ---------------------------------------------------------------
 
@@ -220,6 +239,19 @@ class StepInput:
     def max_seq_len(self) -> int:
         return int(self.seq_lens.max()) if self.num_seqs else 0
 
+    @property
+    def num_kv_groups(self) -> int:
+        return int(self.kv_group_windows.shape[0])
+
+    def kv_group(self, g: int) -> Tuple[Optional[int], np.ndarray, np.ndarray]:
+        """Group g's ``(sliding_window or None, slot_mapping [T], block_tables [B, M])``."""
+        if not 0 <= g < self.num_kv_groups:
+            raise IndexError(f"KV group {g} of {self.num_kv_groups}")
+        window = int(self.kv_group_windows[g]) or None
+        if g == 0:
+            return window, self.slot_mapping, self.block_tables
+        return window, self.group_slot_mapping[g - 1], self.group_block_tables[g - 1]
+
     def arrays(self) -> Dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _, _ in _FIELDS.values()}
 
@@ -233,41 +265,67 @@ class StepInput:
         )
 
     @classmethod
-    def empty(cls, step_id: int = 0) -> "StepInput":
+    def empty(
+        cls, step_id: int = 0, group_windows: Sequence[Optional[int]] = (None,)
+    ) -> "StepInput":
         """A step with no sequences (B = T = S = 0)."""
         arrays = {name: np.zeros(0, dt) for name, dt, _ in _FIELDS.values()}
         arrays["query_start_loc"] = np.zeros(1, _I32)
         arrays["block_tables"] = np.zeros((0, 0), _I32)
+        arrays["kv_group_windows"] = _windows_array(group_windows)
+        G = len(group_windows)
+        arrays["group_slot_mapping"] = np.zeros((G - 1, 0), _I64)
+        arrays["group_block_tables"] = np.zeros((G - 1, 0, 0), _I32)
         return cls(step_id=step_id, **arrays)
 
     # ----- validation ------------------------------------------------------------------
 
-    def validate(self, block_size: Optional[int] = None, num_blocks: Optional[int] = None) -> None:
+    def validate(
+        self, block_size: Optional[int] = None,
+        num_blocks: Union[None, int, Sequence[int]] = None,
+    ) -> None:
         """Check dtypes, shapes and the invariants the runner relies on.
 
-        With ``block_size`` (and ``num_blocks``) it also checks that every slot lies in
-        the block its sequence's block table names, inside the cache.
+        With ``block_size`` (and ``num_blocks``: one count for every group, or one per
+        group) it also checks that every slot lies in the block its sequence's block
+        table names, inside the cache, and that placeholders sit only before the window.
         """
         self._validate_layout()
         self._validate_batch()
         self._validate_sampling()
         if block_size is not None:
-            self._validate_slots(block_size, num_blocks)
+            counts = num_blocks if isinstance(num_blocks, (list, tuple)) else \
+                [num_blocks] * self.num_kv_groups
+            if len(counts) != self.num_kv_groups:
+                raise StepInputError(
+                    f"{len(counts)} block counts for {self.num_kv_groups} KV groups"
+                )
+            for g in range(self.num_kv_groups):
+                self._validate_slots(g, block_size, counts[g])
 
     def _validate_layout(self) -> None:
         if not 0 <= self.step_id < 2**64:
             raise StepInputError(f"step_id {self.step_id} does not fit in u64")
-        T, B, S = self.num_tokens, self.num_seqs, self.num_samples
         for name, dtype, dims in _FIELDS.values():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
                 got = getattr(arr, "dtype", type(arr).__name__)
                 raise StepInputError(f"{name} must be a {dtype} array, got {got}")
-            sizes = {"T": T, "B": B, "S": S, "B+1": B + 1, "M": arr.shape[-1] if arr.ndim else -1}
+            if arr.ndim != len(dims):
+                raise StepInputError(f"{name} has {arr.ndim} dims, expected {len(dims)}")
+        T, B, S, G = self.num_tokens, self.num_seqs, self.num_samples, self.num_kv_groups
+        if not 1 <= G <= MAX_KV_GROUPS:
+            raise StepInputError(
+                f"kv_group_windows names {G} KV groups, expected 1..{MAX_KV_GROUPS}"
+            )
+        for name, dtype, dims in _FIELDS.values():
+            arr = getattr(self, name)
+            sizes = {"T": T, "B": B, "S": S, "B+1": B + 1, "G": G, "G-1": G - 1,
+                     "M": arr.shape[-1]}
             want = tuple(sizes[d] for d in dims)
             if arr.shape != want:
                 raise StepInputError(
-                    f"{name} has shape {arr.shape}, expected {want} (T={T}, B={B}, S={S})"
+                    f"{name} has shape {arr.shape}, expected {want} (T={T}, B={B}, S={S}, G={G})"
                 )
 
     def _validate_batch(self) -> None:
@@ -288,10 +346,48 @@ class StepInput:
         offsets = np.arange(T) - np.repeat(qsl[:-1], query_lens)
         if not np.array_equal(self.positions, starts + offsets):
             raise StepInputError("positions do not match query_start_loc and seq_lens")
-        if (self.slot_mapping < 0).any():
-            raise StepInputError("slot_mapping must be non-negative")
-        if (self.block_tables < 0).any():
-            raise StepInputError("block_tables must be non-negative")
+        self._validate_groups()
+        live = self.state_slots[self.state_slots >= 0]
+        if (self.state_slots < -1).any() or np.unique(live).size != live.size:
+            raise StepInputError("state_slots must be distinct slot ids, or -1 for none")
+
+    def _validate_groups(self) -> None:
+        if (self.kv_group_windows < 0).any():
+            raise StepInputError("kv_group_windows must be >= 0 (0: full attention)")
+        if np.unique(self.kv_group_windows).size != self.num_kv_groups:
+            raise StepInputError("two KV groups have the same window")
+        for g in range(self.num_kv_groups):
+            window, slots, tables = self.kv_group(g)
+            if (slots < 0).any():
+                raise StepInputError("slot_mapping must be non-negative")
+            lowest = PLACEHOLDER_BLOCK if window else 0
+            if (tables < lowest).any():
+                raise StepInputError(
+                    "block_tables must be non-negative" if window is None
+                    else f"block_tables of window {window} must be >= {PLACEHOLDER_BLOCK}"
+                )
+
+    def _validate_slots(self, g: int, block_size: int, num_blocks: Optional[int]) -> None:
+        window, slot_mapping, tables = self.kv_group(g)
+        M = tables.shape[1]
+        if self.num_seqs and -(-self.max_seq_len // block_size) > M:
+            raise StepInputError(
+                f"block_tables of KV group {g} has {M} columns, too few for seq_len "
+                f"{self.max_seq_len}"
+            )
+        if num_blocks is not None and (tables >= num_blocks).any():
+            raise StepInputError(f"block_tables names a block >= num_blocks={num_blocks}")
+        if window is not None:
+            # A placeholder may only stand for a block wholly before the first query's window.
+            first_live = np.maximum(self.seq_lens - self.query_lens - window + 1, 0) // block_size
+            cols = np.arange(M)[None, :]  # [1, M]
+            if ((tables == PLACEHOLDER_BLOCK) & (cols >= first_live[:, None])).any():
+                raise StepInputError(f"a placeholder block lies inside window {window}")
+        seq_idx = np.repeat(np.arange(self.num_seqs), self.query_lens)  # [T]
+        pos = self.positions.astype(np.int64)
+        blocks = tables[seq_idx, pos // block_size].astype(np.int64)
+        if not np.array_equal(slot_mapping, blocks * block_size + pos % block_size):
+            raise StepInputError("slot_mapping does not match block_tables and positions")
 
     def _validate_sampling(self) -> None:
         rows, B = self.sample_rows, self.num_seqs
@@ -314,20 +410,6 @@ class StepInput:
         for name, ok in checks:
             if not ok:
                 raise StepInputError(f"{name} has an out-of-range value")
-
-    def _validate_slots(self, block_size: int, num_blocks: Optional[int]) -> None:
-        M = self.block_tables.shape[1]
-        if self.num_seqs and -(-self.max_seq_len // block_size) > M:
-            raise StepInputError(
-                f"block_tables has {M} columns, too few for seq_len {self.max_seq_len}"
-            )
-        if num_blocks is not None and (self.block_tables >= num_blocks).any():
-            raise StepInputError(f"block_tables names a block >= num_blocks={num_blocks}")
-        seq_idx = np.repeat(np.arange(self.num_seqs), self.query_lens)  # [T]
-        pos = self.positions.astype(np.int64)
-        blocks = self.block_tables[seq_idx, pos // block_size].astype(np.int64)
-        if not np.array_equal(self.slot_mapping, blocks * block_size + pos % block_size):
-            raise StepInputError("slot_mapping does not match block_tables and positions")
 
     # ----- wire ------------------------------------------------------------------------
 
@@ -399,25 +481,22 @@ def _parse_arrays(body: memoryview) -> Dict[str, np.ndarray]:
     return arrays
 
 
-def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
-    """Flatten a SchedulerOutput into the arrays every rank runs (rank 0 only)."""
+def build_step_input(
+    out: SchedulerOutput, block_size: int, group_windows: Sequence[Optional[int]] = (None,)
+) -> StepInput:
+    """Flatten a SchedulerOutput into the arrays every rank runs (rank 0 only).
+    ``group_windows``: the sliding window of each KV cache group (None = full), as in
+    ``KVCacheLayout.windows``."""
     entries = out.scheduled
     B = len(entries)
     if B == 0:
-        return StepInput.empty(out.step_id)
+        return StepInput.empty(out.step_id, group_windows)
     query_lens = np.fromiter((e.num_new_tokens for e in entries), np.int64, B)  # [B]
     computed = np.fromiter((e.seq.num_computed_tokens for e in entries), np.int64, B)  # [B]
     seq_lens = computed + query_lens  # [B]
     query_start_loc = np.zeros(B + 1, np.int64)  # [B+1]
     np.cumsum(query_lens, out=query_start_loc[1:])
     T = int(query_start_loc[-1])
-
-    M = max(len(e.seq.block_ids) for e in entries)
-    block_tables = np.zeros((B, M), _I32)  # [B, M]
-    for i, e in enumerate(entries):
-        if len(e.seq.block_ids) * block_size < seq_lens[i]:
-            raise ValueError(f"{e.seq!r} has too few blocks for {seq_lens[i]} tokens")
-        block_tables[i, :len(e.seq.block_ids)] = e.seq.block_ids
 
     input_ids = np.fromiter(
         itertools.chain.from_iterable(
@@ -430,8 +509,12 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
     seq_idx = np.repeat(np.arange(B), query_lens)  # [T]
     offsets = np.arange(T) - np.repeat(query_start_loc[:-1], query_lens)  # [T] index in its query
     positions = np.repeat(computed, query_lens) + offsets  # [T]
-    blocks = block_tables[seq_idx, positions // block_size].astype(_I64)  # [T]
-    slot_mapping = blocks * block_size + positions % block_size  # [T]
+    groups = [_group_arrays(entries, g, seq_lens, seq_idx, positions, block_size)
+              for g in range(len(group_windows))]
+    M2 = max([t.shape[1] for _, t in groups[1:]], default=0)
+    group_block_tables = np.zeros((len(groups) - 1, B, M2), _I32)  # [G-1, B, M']
+    for g, (_, t) in enumerate(groups[1:]):
+        group_block_tables[g, :, :t.shape[1]] = t
 
     rows = [i for i, e in enumerate(entries) if e.samples]
     sampled = [entries[i].seq for i in rows]
@@ -440,14 +523,40 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
         step_id=out.step_id,
         input_ids=input_ids,
         positions=positions.astype(_I32),
-        slot_mapping=slot_mapping,
+        slot_mapping=groups[0][0],
         query_start_loc=query_start_loc.astype(_I32),
         seq_lens=seq_lens.astype(_I32),
-        block_tables=block_tables,
+        block_tables=groups[0][1],
         logits_indices=(query_start_loc[rows_arr + 1] - 1).astype(_I32),
         sample_rows=rows_arr,
+        kv_group_windows=_windows_array(group_windows),
+        group_slot_mapping=np.stack([s for s, _ in groups[1:]]) if len(groups) > 1
+        else np.zeros((0, T), _I64),
+        group_block_tables=group_block_tables,
+        state_slots=np.fromiter((e.seq.state_slot for e in entries), _I32, B),
         **_sampling_arrays(sampled),
     )
+
+
+def _group_arrays(entries, g: int, seq_lens: np.ndarray, seq_idx: np.ndarray,
+                  positions: np.ndarray, block_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """KV group g's ``(slot_mapping [T] int64, block_tables [B, M] int32)``."""
+    lists = [e.seq.group_block_ids(g) for e in entries]
+    block_tables = np.zeros((len(entries), max(len(b) for b in lists)), _I32)  # [B, M]
+    for i, (e, ids) in enumerate(zip(entries, lists)):
+        if len(ids) * block_size < seq_lens[i]:
+            raise ValueError(
+                f"{e.seq!r} has too few blocks in KV group {g} for {seq_lens[i]} tokens"
+            )
+        block_tables[i, :len(ids)] = ids
+    blocks = block_tables[seq_idx, positions // block_size].astype(_I64)  # [T]
+    if (blocks < 0).any():
+        raise ValueError(f"a token of this step falls in a freed block of KV group {g}")
+    return blocks * block_size + positions % block_size, block_tables
+
+
+def _windows_array(windows: Sequence[Optional[int]]) -> np.ndarray:
+    return np.asarray([int(w or 0) for w in windows], _I32)  # [G]
 
 
 def _sampling_arrays(seqs) -> Dict[str, np.ndarray]:

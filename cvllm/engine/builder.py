@@ -8,11 +8,13 @@ from, builds the config dataclasses, loads the tokenizer and the model (through 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from cvllm.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.tokenizer import Tokenizer
+from cvllm.models.registry import get_model_class
 
 logger = logging.getLogger("cvllm.engine")
 
@@ -56,7 +58,7 @@ def build_llm_engine(
     block_size: int = 16, max_model_len: int = 0, prefill_chunk_size: int = 8192,
     max_gen_tokens: int = 0, seed: int = 0, load_format: str = "auto",
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
-    num_blocks: Optional[int] = None,
+    num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
 ) -> Tuple[LLMEngine, Dict[str, Any]]:
     """Returns the engine and the server-wide sampling defaults."""
     from cvllm import loader
@@ -71,14 +73,22 @@ def build_llm_engine(
         raise ConfigError(f"--max-model-len must be >= 0 (0: the model's own), got {max_model_len}")
     if max_gen_tokens < 0:
         raise ConfigError(f"--max-gen-tokens must be >= 0 (0: derived), got {max_gen_tokens}")
+    if yarn_scaling_factor is not None and not (math.isfinite(yarn_scaling_factor)
+                                                and yarn_scaling_factor >= 1.0):
+        raise ConfigError(f"--yarn-scaling-factor must be a number >= 1, got {yarn_scaling_factor}")
     _sampling_defaults(sampling_overrides or {}, {})
     device = _pick_device(cpu, device_ids or [0])
     dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
     source = loader.resolve_model_source(weight_path, weight_file, model_id)
     model_config = loader.load_model_config(source, dtype=dtype, max_model_len=max_model_len)
-    if max_model_len and max_model_len > model_config.native_max_len:
-        logger.warning("--max-model-len %d exceeds the model's own %d", max_model_len,
-                       model_config.native_max_len)
+    get_model_class(model_config.architecture)  # unsupported: fail now, listing the supported
+    context_len = model_config.native_max_len
+    if yarn_scaling_factor is not None:
+        context_len = apply_yarn_scaling(model_config.hf_config, yarn_scaling_factor)
+        if not max_model_len:
+            model_config.max_model_len = context_len
+    if max_model_len and max_model_len > context_len:
+        logger.warning("--max-model-len %d exceeds the model's own %d", max_model_len, context_len)
     defaults = _sampling_defaults(sampling_overrides or {}, loader.generation_defaults(source))
     config = EngineConfig(
         model=model_config,
@@ -97,6 +107,37 @@ def build_llm_engine(
                 model_config.max_model_len, runner.num_blocks, block_size)
     defaults = dict(defaults, max_gen_tokens=config.max_gen_tokens)
     return LLMEngine(config, tokenizer, runner), defaults
+
+
+def apply_yarn_scaling(hf_config: Dict[str, Any], factor: float) -> int:
+    """Replace the model's rope scaling with YaRN at ``factor`` (in place), keeping its
+    rope_theta and partial_rotary_factor; ``original_max_position_embeddings`` is the
+    config's ``max_position_embeddings``. Written to ``rope_parameters`` and
+    ``rope_scaling``, the two spellings ``rope_parameters_from_config`` merges, so every
+    family reads it. Per-layer-type rope parameters (Gemma 3) are scaled except for the
+    sliding layers, which never see a distance beyond their window. Returns the extended
+    context length, ``factor x max_position_embeddings``."""
+    original = int(hf_config.get("max_position_embeddings") or 2048)
+    yarn = {"rope_type": "yarn", "factor": float(factor),
+            "original_max_position_embeddings": original}
+
+    def scaled(params: Dict[str, Any]) -> Dict[str, Any]:
+        keep = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
+        return {**keep, **yarn}
+
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        hf_config["rope_parameters"] = {
+            kind: (p if kind == "sliding_attention" else scaled(p)) for kind, p in params.items()
+        }
+    else:
+        flat = dict(params or {})
+        if "rope_theta" not in flat and hf_config.get("rope_theta") is not None:
+            flat["rope_theta"] = hf_config["rope_theta"]
+        hf_config["rope_parameters"] = scaled(flat)
+        hf_config["rope_scaling"] = {k: v for k, v in hf_config["rope_parameters"].items()
+                                     if k != "rope_theta"}
+    return int(factor * original)
 
 
 def _default_name(source) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from cvllm.config import EngineConfig
-from cvllm.core.block_manager import BlockManager
+from cvllm.core.kv_cache_manager import KVCacheLayout, KVCacheManager
 from cvllm.core.scheduler import Scheduler, SchedulerOutput
 from cvllm.core.sequence import Sequence
 from cvllm.core.step_input import build_step_input
@@ -50,15 +50,24 @@ class _Request:
 
 class LLMEngine:
     """Rank 0's engine. ``runner`` is anything with ``execute(step, seqs)`` returning the
-    sampled ids (and logprobs) for the step's sampling rows, plus ``num_blocks``."""
+    sampled ids (and logprobs) for the step's sampling rows, plus ``kv_layout`` (a
+    ``KVCacheLayout``) or, for one full-attention group, just ``num_blocks``."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, runner):
         self.config = config
         self.tokenizer = tokenizer
         self.runner = runner
         self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(runner.num_blocks, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        layout = getattr(runner, "kv_layout", None) or KVCacheLayout.single(
+            runner.num_blocks, self.block_size
+        )
+        if layout.block_size != self.block_size:
+            raise ValueError(f"runner's block size {layout.block_size} != {self.block_size}")
+        self.kv_layout = layout
+        self.kv_cache_manager = KVCacheManager.from_layout(layout)
+        self.block_manager = self.kv_cache_manager.groups[0]
+        """KV group 0's blocks (the only group of most models)."""
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.requests: Dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._request_of: Dict[int, str] = {}
@@ -108,7 +117,7 @@ class LLMEngine:
         outputs = self._scheduler_finished(out.finished)
         if not out.scheduled:
             return outputs
-        step = build_step_input(out, self.block_size)
+        step = build_step_input(out, self.block_size, self.kv_layout.windows)
         sampling_seqs = [s.seq for s in out.scheduled if s.samples]
         result = self.runner.execute(step, sampling_seqs)
         # A step of prefill chunks only samples nothing; the runner then returns None.
@@ -180,8 +189,8 @@ class LLMEngine:
         return EngineMetrics(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_blocks_total=self.block_manager.num_total_blocks,
-            kv_blocks_free=self.block_manager.num_free_blocks,
+            kv_blocks_total=sum(g.num_total_blocks for g in self.kv_cache_manager.groups),
+            kv_blocks_free=sum(g.num_free_blocks for g in self.kv_cache_manager.groups),
             prompt_tokens_total=self.stats["prompt_tokens"],
             generation_tokens_total=self.stats["generation_tokens"],
             num_preemptions_total=self.scheduler.num_preemptions_total,

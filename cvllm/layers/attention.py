@@ -2,7 +2,9 @@
 
 Built by the model classes, one per decoder layer; it holds no cache. Each forward gets
 that layer's ``(k_cache, v_cache)`` (owned by the worker, passed through
-``model.forward(..., kv_caches)``) and the step's ``AttentionMetadata``.
+``model.forward(..., kv_caches)``) and the step's ``AttentionMetadata``, of which it uses
+the view of its KV cache group (``attn_metadata.view(self.sliding_window)``): layers with
+a sliding window live in their window's group, whose out-of-window blocks get freed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Attention(nn.Module):
             v,
             k_cache,
             v_cache,
-            attn_metadata,
+            attn_metadata.view(self.sliding_window),  # this layer's KV cache group
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,

@@ -7,11 +7,16 @@ target ``torch.device`` context), holding this rank's weight shards; it owns no 
 engines in one process need no binding step. Every setting is read from the config
 (DESIGN rule 10): head_dim, rope (type, theta, scaling, partial factor), attention_bias,
 mlp_bias, rms_norm_eps, tie_word_embeddings, hidden_act, sliding_window.
+
+Families built on this decoder (qwen2.py, qwen3.py, glm4.py) subclass it through class
+hooks instead of copying it: ``LlamaDecoderLayer.attention_cls``,
+``LlamaModel.decoder_layer_cls`` / ``rope_is_neox_style``, ``LlamaForCausalLM.model_cls``
+and ``_sliding_window`` (one window, or one per layer).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Set, Tuple
+from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -73,7 +78,11 @@ class LlamaAttention(nn.Module):
         quant_config: Optional[QuantizationConfig],
         prefix: str,
         sliding_window: Optional[int],
+        qkv_bias: Optional[bool] = None,
+        o_bias: Optional[bool] = None,
     ):
+        """``qkv_bias`` / ``o_bias`` default to the config's ``attention_bias``; families
+        that fix them regardless of config (Qwen2: q/k/v only) pass them."""
         super().__init__()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         hidden = config.get("hidden_size")
@@ -85,12 +94,14 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
         )
         bias = bool(config.get("attention_bias", False))
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
         self.qkv_proj = QKVParallelLinear(
             hidden,
             self.head_dim,
             config.num_heads,
             config.num_kv_heads,
-            bias=bias,
+            bias=qkv_bias,
             params_dtype=dtype,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
@@ -98,7 +109,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * self.head_dim,
             hidden,
-            bias=bias,
+            bias=o_bias,
             params_dtype=dtype,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
@@ -128,6 +139,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Families that differ only in attention (Qwen2 biases, Qwen3 q/k norms) swap this.
+    attention_cls = LlamaAttention
+
     def __init__(
         self,
         config: ModelConfig,
@@ -139,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         hidden, eps = config.get("hidden_size"), float(config.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(
+        self.self_attn = self.attention_cls(
             config, rotary_emb, dtype, quant_config, f"{prefix}.self_attn", sliding_window
         )
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
@@ -165,14 +179,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer
+    # False: GPT-J rope rotating interleaved pairs (GLM-4), not rotate-half.
+    rope_is_neox_style = True
+
     def __init__(
         self,
         config: ModelConfig,
         dtype: torch.dtype,
         quant_config: Optional[QuantizationConfig],
-        sliding_window: Optional[int] = None,
+        sliding_window: Union[None, int, Sequence[Optional[int]]] = None,
         prefix: str = "model",
     ):
+        """``sliding_window``: one window for every layer, or one per layer (None = full)."""
         super().__init__()
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(
@@ -183,11 +202,18 @@ class LlamaModel(nn.Module):
             config.max_model_len,
             rope_parameters_from_config(config.hf_config),
             config.native_max_len,
-            is_neox_style=True,
+            is_neox_style=self.rope_is_neox_style,
         )
+        windows = (
+            list(sliding_window)
+            if isinstance(sliding_window, (list, tuple))
+            else [sliding_window] * config.num_layers
+        )
+        if len(windows) != config.num_layers:
+            raise ValueError(f"{len(windows)} sliding windows for {config.num_layers} layers")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config, rotary_emb, dtype, quant_config, f"{prefix}.layers.{i}", sliding_window
+            self.decoder_layer_cls(
+                config, rotary_emb, dtype, quant_config, f"{prefix}.layers.{i}", windows[i]
             )
             for i in range(config.num_layers)
         )
@@ -213,6 +239,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
     # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
@@ -234,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = model_config
         dtype = torch_dtype(model_config.dtype)
-        self.model = LlamaModel(
+        self.model = self.model_cls(
             model_config, dtype, quant_config, self._sliding_window(model_config)
         )
         hidden = model_config.get("hidden_size")
@@ -247,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(model_config.vocab_size)
 
     @staticmethod
-    def _sliding_window(model_config: ModelConfig) -> Optional[int]:
+    def _sliding_window(model_config: ModelConfig) -> Union[None, int, List[Optional[int]]]:
+        """One window for all layers, or one per layer (None = full attention)."""
         return None
 
     def forward(

@@ -1,24 +1,35 @@
 """ModelRunner: owns the model, its KV cache and the sampler on one rank.
 
-Built once per rank by the engine builder (rank 0) or the worker loop (other ranks). Each
-step it receives a ``StepInput`` (flat arrays), copies it to the device, builds the
-``AttentionMetadata``, runs the forward and, on rank 0, samples the next tokens.
+Built once per rank by the engine builder (rank 0) or the worker loop (other ranks). At
+start-up it asks the model for its per-layer ``cache_specs()`` (``attention/specs.py``),
+sizes them into a ``KVCacheLayout`` (KV cache groups + state slots; rank 0's engine
+builds its block managers from ``kv_layout``) and allocates ``kv_caches[i]`` per layer.
+Each step it receives a ``StepInput`` (flat arrays), copies it to the device, builds the
+``AttentionMetadata`` (one view per KV group), zeroes the state slots of sequences that
+start afresh, runs the forward and, on rank 0, samples the next tokens.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from cvllm.attention.kv_cache import KVCacheSpec, allocate_kv_cache
+from cvllm.attention.kv_cache import (
+    CacheSizing,
+    LayerCache,
+    allocate_kv_caches,
+    kv_caches_nbytes,
+    plan_kv_cache,
+)
 from cvllm.attention.metadata import AttentionMetadata
-from cvllm.config import ConfigError, EngineConfig
-from cvllm.core.step_input import StepInput
+from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
+from cvllm.config import EngineConfig
+from cvllm.core.kv_cache_manager import KVCacheLayout
+from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.registry import get_model_class
 
@@ -49,13 +60,22 @@ class ModelRunner:
         self.device = torch.device(dev.device, dev.device_ids[0]) if dev.device == "cuda" else torch.device("cpu")
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.model = self._load_model(source)
-        self.kv_spec = KVCacheSpec(
-            num_layers=config.model.num_layers, num_kv_heads=config.model.num_kv_heads,
-            head_dim=config.model.head_dim, block_size=config.cache.block_size, dtype=self.dtype,
-        )
-        self.num_blocks = self._decide_num_blocks()
+        self.cache_specs: List[LayerCacheSpec] = model_cache_specs(self.model, config, self.dtype)
+        self.kv_layout: KVCacheLayout = self._plan_kv_cache()
+        self.num_blocks = self.kv_layout.groups[0].num_blocks
+        """Blocks of KV group 0 (the only group of most models)."""
         config.cache.num_blocks = self.num_blocks
-        self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
+        self.kv_caches: List[LayerCache] = allocate_kv_caches(
+            self.cache_specs, self.kv_layout, self.device
+        )
+        self._state_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, StateSpec)]
+        groups = ", ".join(
+            f"window {g.sliding_window}: {len(g.layer_ids)} layers x {g.num_blocks} blocks"
+            for g in self.kv_layout.groups
+        )
+        logger.info("KV cache: %.1f MB; groups %s; %d state slots",
+                    kv_caches_nbytes(self.kv_caches) / 2**20, groups,
+                    self.kv_layout.num_state_slots)
         self.sampler = Sampler()
 
     # ---------------------------------------------------------------- set-up
@@ -76,30 +96,29 @@ class ModelRunner:
             model.load_weights(loader.iter_weights(source))
         return model.eval()
 
-    def _decide_num_blocks(self) -> int:
-        cache = self.config.cache
-        per_block = self.kv_spec.bytes_per_block
+    def _plan_kv_cache(self) -> KVCacheLayout:
+        """Size every group (``attention/kv_cache.py`` documents the split) from --mem,
+        --gpu-memory-fraction or the CPU default, or from a fixed CacheConfig.num_blocks."""
+        cache, sched = self.config.cache, self.config.scheduler
+        sizing = CacheSizing(
+            block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.config.model.max_model_len,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_chunk=min(sched.chunk_limit, sched.max_num_batched_tokens),
+        )
         if cache.num_blocks:
-            n = cache.num_blocks
-        elif cache.kvcache_mem_mb:
-            n = cache.kvcache_mem_mb * (1 << 20) // per_block
+            return plan_kv_cache(self.cache_specs, sizing, num_blocks=cache.num_blocks)
+        if cache.kvcache_mem_mb:
+            budget = cache.kvcache_mem_mb * (1 << 20)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            n = int(free * cache.gpu_memory_fraction) // per_block
+            budget = int(free * cache.gpu_memory_fraction)
         else:
             import psutil
 
             avail = psutil.virtual_memory().available
-            n = min(int(avail * cache.gpu_memory_fraction), _CPU_KV_CAP_BYTES) // per_block
-        need = math.ceil(self.config.model.max_model_len / cache.block_size)
-        if n < need:
-            raise ConfigError(
-                f"the KV cache ({n} blocks of {cache.block_size} tokens, {per_block * n / 2**20:.1f} MB) "
-                f"cannot hold one sequence of --max-model-len {self.config.model.max_model_len} "
-                f"({need} blocks, {per_block * need / 2**20:.1f} MB): raise --mem / "
-                f"--gpu-memory-fraction or lower --max-model-len"
-            )
-        return int(n)
+            budget = min(int(avail * cache.gpu_memory_fraction), _CPU_KV_CAP_BYTES)
+        return plan_kv_cache(self.cache_specs, sizing, budget_bytes=budget)
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
@@ -109,16 +128,46 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(dev)  # [T]
         positions = torch.from_numpy(step.positions.astype(np.int64)).to(dev)  # [T]
-        meta = AttentionMetadata.build(
-            slot_mapping=step.slot_mapping, query_start_loc=step.query_start_loc,
-            seq_lens=step.seq_lens, block_tables=step.block_tables, device=dev,
-        )
+        meta = self._build_metadata(step)
+        self._reset_fresh_state_slots(meta)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, hidden]
         if seqs is None or len(step.logits_indices) == 0:
             return None
         idx = torch.from_numpy(step.logits_indices.astype(np.int64)).to(dev)
         logits = self.model.compute_logits(hidden[idx])  # [S, V] float32
         return self._sample(logits, step, seqs)
+
+    def _build_metadata(self, step: StepInput) -> AttentionMetadata:
+        """One view per KV group; the group windows must be this runner's own."""
+        windows = [int(w) or None for w in step.kv_group_windows.tolist()]
+        if windows != self.kv_layout.windows:
+            raise StepInputError(
+                f"step {step.step_id} has KV groups {windows}, this cache has "
+                f"{self.kv_layout.windows}"
+            )
+        if self._state_layers:
+            slots = step.state_slots
+            if slots.size and (slots.min() < 0 or slots.max() >= self.kv_layout.num_state_slots):
+                raise StepInputError(f"step {step.step_id} has a state slot out of range")
+        return AttentionMetadata.build(
+            slot_mapping=step.slot_mapping, query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens, block_tables=step.block_tables, device=self.device,
+            sliding_window=windows[0],
+            extra_groups=[step.kv_group(g) for g in range(1, step.num_kv_groups)],
+            state_slots=step.state_slots,
+        )
+
+    def _reset_fresh_state_slots(self, meta: AttentionMetadata) -> None:
+        """Zero the state of sequences with no computed tokens (new, or recomputing after
+        preemption), so a slot never leaks a previous owner's state."""
+        if not self._state_layers or meta.num_seqs == 0:
+            return
+        fresh = meta.state_slots[~meta.has_initial_state]  # [F] int64
+        if fresh.numel() == 0:
+            return
+        for i in self._state_layers:
+            for t in self.kv_caches[i]:
+                t.index_fill_(0, fresh, 0)
 
     def _sample(self, logits: torch.Tensor, step: StepInput, seqs: Sequence) -> StepResult:
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
@@ -142,3 +191,31 @@ class ModelRunner:
                 res.top_ids = out.top_logprob_ids.cpu().numpy()
                 res.top_logprobs = out.top_logprob_values.float().cpu().numpy()
         return res
+
+
+def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype
+                      ) -> List[LayerCacheSpec]:
+    """The model's ``cache_specs()``; without it, specs from its ``Attention`` modules when
+    there is one per layer (so a sliding window is honoured), else full attention for
+    every layer from the config."""
+    num_layers = config.model.num_layers
+    if hasattr(model, "cache_specs"):
+        specs = list(model.cache_specs())
+        if len(specs) != num_layers:
+            raise ValueError(f"{type(model).__name__}.cache_specs() gave {len(specs)} specs "
+                             f"for {num_layers} layers")
+        return specs
+    from cvllm.layers.attention import Attention
+
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(attns) == num_layers:
+        return [
+            SlidingWindowSpec(a.num_kv_heads, a.head_size, dtype, int(a.sliding_window))
+            if a.sliding_window else FullAttentionSpec(a.num_kv_heads, a.head_size, dtype)
+            for a in attns
+        ]
+    from cvllm.distributed import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    kv_heads = max(1, config.model.num_kv_heads // tp)
+    return [FullAttentionSpec(kv_heads, config.model.head_dim, dtype)] * num_layers

@@ -22,7 +22,7 @@ def _greedy():
 
 @pytest.fixture(scope="module")
 def llm(default_gguf):
-    return LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024)
+    return LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_sixteen_concurrent_equal_one_at_a_time(llm, conversations, one_at_a_tim
 
 
 def test_chunked_prefill_gives_same_tokens(default_gguf, conversations, one_at_a_time):
-    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, prefill_chunk_size=16)
+    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128, prefill_chunk_size=16)
     prompt_lens = [len(llm.tokenizer.render_chat(c)) for c in conversations]
     assert min(prompt_lens) > 16  # every prompt really is split into chunks
     convs = [conversations[i % len(conversations)] for i in range(16)]

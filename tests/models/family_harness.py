@@ -75,6 +75,7 @@ def hf_greedy(hf_model, prompts: Sequence[List[int]] = PROMPTS, n: int = NEW_TOK
 
 
 def cvllm_llm(folder: Path, prefill_chunk_size: int = 8192, **kw) -> LLM:
+    kw.setdefault("kvcache_mem_mb", 32)  # tiny models: a small cache is quick to allocate
     return LLM(weight_path=str(folder), cpu=True, dtype="f32", max_model_len=128,
                prefill_chunk_size=prefill_chunk_size, **kw)
 
@@ -126,7 +127,8 @@ def hf_config_of(folder: Path) -> dict:
 
 def cvllm_gguf_llm(folder: Path, gguf_name: str) -> LLM:
     """cvllm loading ``folder/gguf_name`` (weights, config) with the folder's tokenizer."""
-    return LLM(weight_path=str(folder), weight_file=gguf_name, cpu=True, dtype="f32", max_model_len=128)
+    return LLM(weight_path=str(folder), weight_file=gguf_name, cpu=True, dtype="f32", max_model_len=128,
+               kvcache_mem_mb=32)
 
 
 def check_gguf_against_hf(hf_model, folder: Path, gguf_name: str, prompts: Sequence[List[int]] = PROMPTS,
