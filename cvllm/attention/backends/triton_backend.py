@@ -1,0 +1,89 @@
+"""Triton paged attention: the GPU backend, a drop-in for ``backends/torch_ref.py``.
+
+Stateless, like the reference: the attention layer (``layers/attention.py``) calls
+``forward`` once per layer per step with that layer's ``(k_cache, v_cache)`` (owned by
+the worker) and the step's ``AttentionMetadata`` view of its KV cache group (built by the
+worker). The batch split is host-side, from ``meta.num_decodes``: the leading one-token
+sequences go to ``kernels.paged_attention.decode_attention`` (GQA-grouped, split-K), the
+rest -- prefills, chunked-prefill continuations, and any single-token rows after the
+first multi-token one -- to ``prefill_attention``. No step here syncs with the device.
+
+Semantics match the reference exactly: K/V of the ``meta.num_tokens`` real tokens are
+written first (slot -1 writes nothing), then every query attends over its sequence's
+cache causally, with the window and softcap of the layer; padding rows (past
+``num_tokens``) of the output are zero. Selection is ``attention/backend.py``'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cvllm.attention.metadata import AttentionMetadata
+from cvllm.kernels import paged_attention as pa
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 entries (padding) are skipped
+) -> None:
+    """Store this step's keys and values at their cache slots."""
+    pa.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def forward(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Write K/V, then attend every sequence's queries over its cached context, causally.
+    Returns ``[T, H, D]``; rows of padding tokens (past ``meta.num_tokens``) are zero."""
+    n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
+    _check_meta(q, k_cache, meta)
+    pa.write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+    out = torch.empty_like(q)  # [T, H, D]
+    out[n:].zero_()
+    window = int(sliding_window) if sliding_window else None
+    cap = float(softcap) if softcap else None
+    if nd:
+        # Leading decodes own tokens 0..nd-1, one per sequence.
+        pa.decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+            sliding_window=window, softcap=cap, out=out[:nd],
+            max_seq_len=meta.decode_max_seq_len,
+        )
+    if nd < B:
+        pa.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+            meta.seq_lens[nd:], meta.prefill_max_query_len, scale,
+            sliding_window=window, softcap=cap, out=out,
+        )
+    return out
+
+
+def _check_meta(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Host-side bounds the kernels cannot check without a sync."""
+    if q.shape[0] < meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} rows, the step has {meta.num_tokens} tokens")
+    needed = -(-meta.max_seq_len // k_cache.shape[1])
+    if meta.num_seqs and needed > meta.block_tables.shape[1]:
+        raise ValueError(f"block_tables has {meta.block_tables.shape[1]} columns, {needed} "
+                         f"needed for {meta.max_seq_len} tokens")
+
+
+class TritonAttentionBackend:
+    """The backend object ``attention/backend.py`` hands to attention layers on CUDA."""
+
+    name = "triton"
+    write_kv = staticmethod(write_kv)
+    forward = staticmethod(forward)
