@@ -1,4 +1,5 @@
-"""Gated activations on a fused ``[.., 2*d]`` gate_up projection: ``act(gate) * up``."""
+"""Gated activations on a fused ``[.., 2*d]`` gate_up projection: ``act(gate) * up``;
+and plain ones (``get_act_fn``) for ungated MLPs."""
 
 from __future__ import annotations
 
@@ -47,3 +48,24 @@ def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
             f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(sorted(_ACT_AND_MUL))}"
         )
     return _ACT_AND_MUL[hidden_act]()
+
+
+# Plain (ungated) activations, for MLPs like Phi-2's fc1 -> act -> fc2.
+_ACT = {
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+    "relu": nn.ReLU,
+    "gelu": lambda: nn.GELU("none"),
+    "gelu_pytorch_tanh": lambda: nn.GELU("tanh"),
+    "gelu_new": lambda: nn.GELU("tanh"),
+    "gelu_fast": lambda: nn.GELU("tanh"),
+}
+
+
+def get_act_fn(hidden_act: str) -> nn.Module:
+    """The plain activation for a config's ``hidden_act``."""
+    if hidden_act not in _ACT:
+        raise ValueError(
+            f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(sorted(_ACT))}"
+        )
+    return _ACT[hidden_act]()

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add.
+"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add;
+LayerNorm (with or without bias) for the families that use it (Phi, StableLM).
 
 Built by the model classes; the weight is replicated on every rank.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cvllm.layers.utils import default_weight_loader
@@ -38,6 +40,86 @@ class RMSNorm(nn.Module):
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         out = self.weight * (xf * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm`` over the last dim, computed in float32 and cast back, so bf16 runs
+    round once, like RMSNorm here. ``bias=False`` for the bias-free variants."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        params_dtype: Optional[torch.dtype] = None,
+        bias: bool = True,
+    ):
+        super().__init__()
+        self.eps = eps
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)`` (the
+        RMSNorm contract, so Llama-shaped decoders can swap norms)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        bias = None if self.bias is None else self.bias.float()
+        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
+        out = out.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Identity affine (weight 1, bias 0), e.g. after dummy random weights."""
+        self.weight.fill_(1.0)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset, ``out = norm(x) * (1 + weight)``, all in
+    float32 and cast back once, as HF's ``Gemma2RMSNorm`` / ``Gemma3RMSNorm`` do (plain
+    RMSNorm casts before multiplying). Its own class, not an RMSNorm subclass, so code that
+    special-cases RMSNorm (dummy init to 1, fused kernels) never treats it as one.
+    Same ``forward(x, residual)`` contract as RMSNorm."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
+    ):
+        super().__init__()
+        self.variance_epsilon = eps
+        dtype = params_dtype or torch.get_default_dtype()
+        # Zero offset = identity scale, HF's initial value.
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``, the
+        add in the model dtype."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = (xf * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
 
     def extra_repr(self) -> str:

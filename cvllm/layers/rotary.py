@@ -1,4 +1,5 @@
-"""Rotary position embeddings and their scalings (default, linear, dynamic, llama3, yarn).
+"""Rotary position embeddings and their scalings (default, linear, dynamic, llama3, yarn,
+longrope).
 
 Built once per model by ``get_rope`` (layers with equal settings share one instance) from
 the config's rope settings, read by ``rope_parameters_from_config``. The cos/sin cache
@@ -11,6 +12,18 @@ as Hugging Face does.
 ``dynamic`` deviates from HF on purpose: HF recomputes the frequencies from the longest
 sequence of each forward, which a paged cache cannot follow (cached keys would keep stale
 rotations); like vLLM we fix them at the scaled length ``max_position_embeddings * factor``.
+
+``longrope`` (Phi-3/3.5/4) deviates the same way. HF picks ``short_factor`` or
+``long_factor`` per forward from the sequence length: long once ``max(position) + 1 >
+original_max_position_embeddings``; when a sequence grows past that length, its generate()
+drops the KV cache and re-prefills everything with the long factors. A paged cache cannot
+re-rotate cached keys, so (like llama.cpp, which picks by its context size) we pick once per
+engine from the served length: long factors for every position iff ``max_model_len >
+original_max_position_embeddings``, short ones otherwise. This equals HF for every sequence
+when ``max_model_len <= original`` and for every sequence longer than ``original`` otherwise;
+shorter sequences then differ (HF would use the short factors). One attention factor scales
+cos/sin either way (``attention_factor``, default ``sqrt(1 + ln(factor) / ln(original))``
+with ``factor = max_position_embeddings / original`` when the config gives none).
 """
 
 from __future__ import annotations
@@ -223,6 +236,55 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
         return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
+class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE: per-frequency divisors (``short_factor`` or ``long_factor``, rotary_dim / 2
+    each) and one attention factor on cos/sin. The list is chosen once from the served
+    length (``max_position_embeddings`` here is the cache size): see the module docstring."""
+
+    def __init__(
+        self,
+        head_size,
+        rotary_dim,
+        max_position_embeddings,
+        base,
+        is_neox_style,
+        short_factor,
+        long_factor,
+        original_max_position: int,
+        scaling_factor: float,
+        attention_factor: Optional[float] = None,
+    ):
+        for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
+            if factors is None or len(factors) != rotary_dim // 2:
+                raise ValueError(
+                    f"longrope {name} must list rotary_dim / 2 = {rotary_dim // 2} values, "
+                    f"got {None if factors is None else len(factors)}"
+                )
+        self.original_max_position = int(original_max_position)
+        self.use_long_factor = max_position_embeddings > self.original_max_position
+        chosen = long_factor if self.use_long_factor else short_factor
+        self.ext_factors = torch.tensor(chosen, dtype=torch.float32)  # [rotary_dim / 2]
+        if attention_factor is None:
+            f = float(scaling_factor)
+            attention_factor = (
+                math.sqrt(1 + math.log(f) / math.log(self.original_max_position)) if f > 1 else 1.0
+            )
+        self._attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        self.mscale = self._attention_factor
+        return super()._compute_cos_sin_cache()
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        exponent = (
+            torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32)
+            / self.rotary_dim
+        )
+        # Same operation order as HF (factor times base power), for bit-equal frequencies.
+        return 1.0 / (self.ext_factors * self.base**exponent)  # [rotary_dim / 2]
+
+
 def _yarn_attention_factor(factor: float, attention_factor, mscale, mscale_all_dim) -> float:
     def get_mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -247,6 +309,13 @@ def rope_parameters_from_config(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     params.pop("type", None)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if params["rope_type"] == "su":  # Phi-3's early name for longrope
+        params["rope_type"] = "longrope"
+    if params["rope_type"] in ("llama3", "yarn", "longrope") and cfg.get(
+        "original_max_position_embeddings"
+    ):
+        # As in HF: a top-level value (Phi-3 keeps it there) wins over the rope dict's.
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return params
 
 
@@ -318,8 +387,18 @@ def _build_rope(
             mscale_all_dim=p.get("mscale_all_dim"),
             truncate=p.get("truncate", True),
         )
+    if rope_type == "longrope":
+        return Phi3LongRoPEScaledRotaryEmbedding(
+            *args,
+            short_factor=p.get("short_factor"),
+            long_factor=p.get("long_factor"),
+            original_max_position=original,
+            scaling_factor=p.get("factor") or max_position_embeddings / original,
+            attention_factor=p.get("attention_factor"),
+        )
     raise ValueError(
-        f"unsupported rope_type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn"
+        f"unsupported rope_type {rope_type!r}; "
+        "supported: default, linear, dynamic, llama3, yarn, longrope"
     )
 
 

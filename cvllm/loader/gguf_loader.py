@@ -7,7 +7,8 @@ metadata (a 49k-token vocabulary) takes seconds and config and weights both need
 
 ``iter_gguf_weights`` yields float32 tensors in HF layout: ``gguf.quants.dequantize``
 returns row-major ``[out, in]`` arrays (GGUF lists dims innermost first), and for archs
-whose converter permutes Q/K rows the permutation is undone.
+whose converter permutes Q/K rows the permutation is undone (and for Gemma the +1 it
+folds into norm weights is taken out again).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
             w = unpermute_qk(w, cfg["num_attention_heads"])
         elif arch.permute_qk and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, cfg["num_key_value_heads"])
+        if arch.norm_weight_offset and name.endswith("norm.weight"):
+            w = w - arch.norm_weight_offset
         yield name, w
     # Loaded: free the parsed metadata (tens of MB for a large vocabulary) in a long-lived
     # server; a later call simply re-reads it.

@@ -5,6 +5,7 @@ transformers 5 writes ``rope_parameters`` where older files have ``rope_theta`` 
 ``rope_scaling``; after ``normalize_rope`` every config has ``rope_scaling`` (None for plain
 RoPE, otherwise a dict with ``rope_type``) and, when the file gives a theta, ``rope_theta``
 and ``rope_parameters``. GGUF configs built by ``gguf_config`` go through the same function.
+Multimodal configs get their ``text_config`` lifted to the top level (``lift_text_config``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,19 @@ def read_hf_config(folder: Path) -> Dict[str, Any]:
     archs = cfg.get("architectures")
     if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
         raise ModelLoadError(f"{path} has no 'architectures' list naming the model class")
-    return normalize_rope(cfg)
+    return normalize_rope(lift_text_config(cfg))
+
+
+def lift_text_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Multimodal configs (e.g. Gemma3ForConditionalGeneration) keep the language model's
+    settings under ``text_config``; cvllm serves only that model, so copy them to the top
+    level (in place) where the config has no text settings of its own. Top-level keys
+    (``architectures``, ``tie_word_embeddings``) win."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in cfg:
+        for key, value in text.items():
+            cfg.setdefault(key, value)
+    return cfg
 
 
 def read_generation_config(folder: Optional[Path]) -> Dict[str, Any]:

@@ -110,7 +110,7 @@ def test_old_config_format_is_read():
     assert rope_parameters_from_config({})["rope_type"] == "default"
     assert rope_parameters_from_config({})["rope_theta"] == 10000.0
     with pytest.raises(ValueError, match="unsupported rope_type"):
-        get_rope(HEAD_DIM, 16, {"rope_type": "longrope"}, 16)
+        get_rope(HEAD_DIM, 16, {"rope_type": "no_such_rope"}, 16)
 
 
 def test_gptj_style_and_partial_rotary():
