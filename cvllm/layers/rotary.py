@@ -11,7 +11,9 @@ as Hugging Face does.
 
 ``dynamic`` deviates from HF on purpose: HF recomputes the frequencies from the longest
 sequence of each forward, which a paged cache cannot follow (cached keys would keep stale
-rotations); like vLLM we fix them at the scaled length ``max_position_embeddings * factor``.
+rotations). When the served length (``max_model_len``) fits the original context we use
+the unscaled frequencies, which is exactly what HF does for every such sequence; beyond it,
+like vLLM, we fix them at the scaled length ``max_position_embeddings * factor``.
 
 ``longrope`` (Phi-3/3.5/4) deviates the same way. HF picks ``short_factor`` or
 ``long_factor`` per forward from the sequence length: long once ``max(position) + 1 >
@@ -147,6 +149,9 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
 
     def _compute_inv_freq(self) -> torch.Tensor:
         f, dim = self.scaling_factor, self.rotary_dim
+        if self.max_position_embeddings <= self.original_max_position:
+            # Serving within the original context: HF never rescales there.
+            return self._base_inv_freq(self.base)
         seq_len = self.original_max_position * f
         base = self.base * ((f * seq_len / self.original_max_position) - (f - 1)) ** (
             dim / (dim - 2)

@@ -64,9 +64,8 @@ def test_inv_freq_and_scaling_match_transformers(name):
     if rope_type == "default":
         inv_freq, attn_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
     elif rope_type == "dynamic":
-        # Fixed at the scaled length (documented deviation): HF's value for that length.
-        seq_len = int(MAX_POS * cfg.rope_parameters["factor"])
-        inv_freq, attn_factor = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=seq_len)
+        # Served within the original context: HF never rescales, so neither do we.
+        inv_freq, attn_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
     else:
         inv_freq, attn_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
     rope = ours(cfg)
@@ -134,3 +133,13 @@ def test_gptj_style_and_partial_rotary():
     )
     torch.testing.assert_close(out[..., :4], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[..., 4:], x[..., 4:], rtol=0, atol=0)
+
+
+def test_dynamic_served_past_original_context_is_fixed_at_scaled_length():
+    # Beyond the original context HF rescales per forward; a paged cache cannot, so (like
+    # vLLM) the frequencies are fixed at HF's value for the scaled length.
+    cfg = hf_config(ROPES["dynamic"])
+    seq_len = int(MAX_POS * cfg.rope_parameters["factor"])
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=seq_len)
+    rope = get_rope(HEAD_DIM, seq_len, rope_parameters_from_config(cfg.to_dict()), MAX_POS)
+    torch.testing.assert_close(rope._compute_inv_freq(), inv_freq.float(), rtol=1e-6, atol=0)
