@@ -79,7 +79,8 @@ def check_write_kv(device="cpu", dtype=torch.float32, T=9, hkv=2, d=16, bs=16):
     kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(dtype=dtype, device=device)
     vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(dtype=dtype, device=device)
     slots = torch.randperm(n_blocks * bs, generator=g)[:T]
-    slots[1] = slots[-2] = -1  # padding tokens
+    if T >= 3:  # a single-token batch has no room for padding tokens
+        slots[1] = slots[-2] = -1  # padding tokens
     # K/V as strided views of a fused QKV projection, like the model passes them.
     qkv = torch.randn(T, 3 * hkv * d + 8, generator=g).to(dtype=dtype, device=device)
     k = qkv[:, : hkv * d].view(T, hkv, d)  # [T, Hkv, D]
