@@ -1,7 +1,7 @@
 """Paged attention in Triton: the K/V cache write, decode, and (chunked) prefill.
 
 Called by ``attention/backends/triton_backend.py`` once per layer per step; the torch
-oracles, in the same calling conventions, are in ``kernels/reference_attention.py``
+oracles, in the same calling conventions, are in ``kernels/reference.py``
 (tests: tests/kernels/test_paged_attention.py, also run on the CPU under
 ``TRITON_INTERPRET=1``). Caches are owned by the worker; nothing here keeps state.
 

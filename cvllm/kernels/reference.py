@@ -1,10 +1,14 @@
 """Plain-torch references of the Triton kernels (DESIGN rule 7).
 
-Each function here is the CPU path of its op and the oracle its Triton kernel is tested
-against; same arguments, same results up to float rounding. No state, no device logic.
+Each function here is the CPU path of its op or the oracle its Triton kernel is tested
+against; same arguments, same results up to float rounding. No state, no device logic;
+written for obviousness, not speed. Sections: fused MoE, gated DeltaNet, paged attention,
+RMSNorm, rotary embedding, gated activations, sampling.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -150,3 +154,244 @@ def rms_norm_gated_ref(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
+# ----------------------------------------------------------------- paged attention
+# Oracles of ``kernels/paged_attention.py``, one sequence at a time, float32, K/V heads
+# repeated for GQA. Conventions shared with the kernels: a cache is ``[N, bs, Hkv, D]``
+# and token slot ``s`` lives at ``cache[s // bs, s % bs]``; ``block_tables[b, j]`` is the
+# j-th block of sequence b; sequence b's ``q_len`` queries sit at positions
+# ``seq_len - q_len .. seq_len - 1`` and see key j iff ``j <= pos`` (and
+# ``j > pos - sliding_window``).
+
+def write_kv_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int; -1 (padding) writes nothing
+) -> None:
+    """Store token t's K/V at slot ``slot_mapping[t]``, in the cache's dtype."""
+    bs = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // bs, slot % bs] = k[t].to(k_cache.dtype)
+        v_cache[slot // bs, slot % bs] = v[t].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence: ``[length, Hkv, D]``."""
+    bs = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)  # [L]
+    blocks = block_table.long()[pos // bs]  # [L]
+    return cache[blocks, pos % bs]  # [L, Hkv, D]
+
+
+def attend_ref(
+    q: torch.Tensor,  # [Q, H, D]
+    k: torch.Tensor,  # [L, Hkv, D]
+    v: torch.Tensor,  # [L, Hkv, D]
+    qpos: torch.Tensor,  # [Q] position of each query
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal (windowed, soft-capped) attention of one sequence, float32 -> ``[Q, H, D]``."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]; head h reads kv head h // G
+    vf = v.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [H, Q, L]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, L]
+    visible = kpos <= qpos[:, None]  # [Q, L]
+    if sliding_window:
+        visible &= kpos > qpos[:, None] - sliding_window
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vf)  # [Q, H, D]
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [B, H, D]: sequence b's one query, at position seq_lens[b] - 1
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Reference of ``decode_attention``: ``[B, H, D]`` in q's dtype."""
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_context(k_cache, block_tables[b], seq_len)  # [L, Hkv, D]
+        v = gather_context(v_cache, block_tables[b], seq_len)
+        qpos = torch.tensor([seq_len - 1], device=q.device)
+        out[b] = attend_ref(q[b : b + 1], k, v, qpos, scale, sliding_window, softcap)[0]
+    return out
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M]
+    query_start_loc: torch.Tensor,  # [B+1]: sequence b owns q rows qsl[b]:qsl[b+1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Reference of ``prefill_attention``: ``[T, H, D]`` in q's dtype; q rows that belong
+    to none of the B sequences are zero."""
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        t0, t1 = qsl[b], qsl[b + 1]
+        k = gather_context(k_cache, block_tables[b], seq_len)  # [L, Hkv, D]
+        v = gather_context(v_cache, block_tables[b], seq_len)
+        qpos = torch.arange(seq_len - (t1 - t0), seq_len, device=q.device)  # [Q]
+        out[t0:t1] = attend_ref(q[t0:t1], k, v, qpos, scale, sliding_window, softcap)
+    return out
+
+
+def merge_attention_partials_ref(
+    part_out: torch.Tensor,  # [B, H, S, D] float32: each split's softmax-normalised output
+    part_lse: torch.Tensor,  # [B, H, S] float32: each split's log2-sum-exp2, -inf if empty
+) -> torch.Tensor:
+    """Reference of the split-K reduce: weight split s by ``2**lse_s``. ``[B, H, D]`` f32."""
+    w = torch.softmax(part_lse * torch.log(torch.tensor(2.0)), dim=-1)  # [B, H, S]
+    return (w.unsqueeze(-1) * part_out).sum(dim=2)  # [B, H, D]
+
+
+# ----------------------------------------------------------------- RMSNorm
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+    offset: bool = False,
+):
+    """``norm(x)``, or ``(norm(x + residual), x + residual)``, outputs in x's dtype: the
+    add rounds to x's dtype and the norm is taken of the rounded sum (HF's decoder
+    layers). ``offset=False`` (Llama): ``w * round(normed)``; ``offset=True`` (Gemma):
+    ``normed * (1 + w)`` in float32, rounded once. Oracle of ``kernels/rmsnorm.py``."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        out = (normed * (1.0 + weight.float())).to(dtype)
+    else:
+        out = (weight.float() * normed.to(dtype).float()).to(dtype)
+    return out if residual is None else (out, residual)
+
+
+# ----------------------------------------------------------------- rotary embedding
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, H*D] or [T, H, D]
+    key: Optional[torch.Tensor],  # [T, Hkv*D] or [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32: cos half | sin half
+    head_size: int,
+    is_neox_style: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Rotated copies of query / key (inputs untouched), in their dtype, with cos/sin cast
+    to it first, as HF and ``layers/rotary.py`` do. The first ``rot_dim`` dims of each
+    head rotate: neox pairs (i, i + rot_dim/2), GPT-J (2i, 2i+1). Oracle of
+    ``kernels/rotary.py``."""
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)  # [T, rot/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(x.shape[0], -1, head_size)  # [T, heads, D]
+        rot, rest = heads[..., :rot_dim], heads[..., rot_dim:]
+        c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [T, 1, rot/2]
+        if is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        if is_neox_style:
+            rot = torch.cat([o1, o2], dim=-1)
+        else:
+            rot = torch.stack([o1, o2], dim=-1).flatten(-2)  # [T, heads, rot_dim]
+        return torch.cat([rot, rest], dim=-1).reshape(x.shape)
+
+    return rotate(query), (rotate(key) if key is not None else None)
+
+
+# ----------------------------------------------------------------- gated activations
+ACT_AND_MUL = ("silu", "gelu", "gelu_tanh")
+
+
+def act_and_mul_ref(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(x[.., :I]) * x[.., I:]`` in x's dtype (torch's per-op roundings). Oracle of
+    ``kernels/activation.py``."""
+    inter = x.shape[-1] // 2
+    gate, up = x[..., :inter], x[..., inter:]
+    if activation == "silu":
+        return F.silu(gate) * up  # [.., I]
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return F.gelu(gate, approximate=approximate) * up  # [.., I]
+    raise ValueError(f"unsupported activation {activation!r}; supported: {ACT_AND_MUL}")
+
+
+# ----------------------------------------------------------------- sampling
+# Transcriptions of ``layers/sampler.py`` (its torch path is the semantic reference),
+# in the calling conventions of ``kernels/sampling.py``.
+
+def apply_penalties_ref(
+    logits: torch.Tensor,  # [S, V] float32
+    output_counts: torch.Tensor,  # [S, V] int: occurrences in the output
+    prompt_mask: Optional[torch.Tensor],  # [S, V] bool: token in the prompt
+    repetition_penalty: Optional[torch.Tensor],  # [S]
+    frequency_penalty: Optional[torch.Tensor],  # [S]
+    presence_penalty: Optional[torch.Tensor],  # [S]
+) -> torch.Tensor:
+    """Repetition (over prompt and output tokens: divide positive logits, multiply
+    negative ones), then ``- frequency * count - presence * (count > 0)``; a new tensor."""
+    if prompt_mask is not None and repetition_penalty is not None:
+        seen = prompt_mask | (output_counts > 0)  # [S, V]
+        rp = repetition_penalty.unsqueeze(1)  # [S, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if frequency_penalty is not None and presence_penalty is not None:
+        counts = output_counts.to(logits.dtype)  # [S, V]
+        logits = (logits - frequency_penalty.unsqueeze(1) * counts
+                  - presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype))
+    return logits.clone()
+
+
+def sample_ref(
+    logits: torch.Tensor,  # [S, V] float32, penalized
+    temperature: torch.Tensor,  # [S] float32
+    top_k: torch.Tensor,  # [S] int64; V = off
+    top_p: torch.Tensor,  # [S] float32; 1 = off
+    min_p: torch.Tensor,  # [S] float32; 0 = off
+    is_greedy: torch.Tensor,  # [S] bool
+    noise: torch.Tensor,  # [S, V] float32 Exp(1) draws
+) -> torch.Tensor:
+    """``[S]`` int64: greedy rows the argmax; the others ``argmax(probs / noise)`` after
+    temperature -> top-k (by rank) -> top-p (smallest prefix whose mass reaches top_p,
+    after top-k, the top token always kept, rows at 1 exempt) -> min-p (below
+    ``min_p * max prob`` -> 0). Every stage runs; an off value makes it a no-op."""
+    greedy = logits.argmax(dim=-1)  # [S]
+    scaled = logits / temperature.unsqueeze(1)  # [S, V]
+    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)  # [S, V]
+    ranks = torch.arange(scaled.shape[-1], device=logits.device).unsqueeze(0)  # [1, V]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [S, V]
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    scaled = torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
+    probs = scaled.softmax(dim=-1)  # [S, V]
+    floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+    probs = probs.masked_fill(probs < floor, 0.0)
+    race = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)  # [S]
+    return torch.where(is_greedy, greedy, race)

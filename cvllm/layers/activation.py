@@ -1,5 +1,6 @@
 """Gated activations on a fused ``[.., 2*d]`` gate_up projection: ``act(gate) * up``;
-and plain ones (``get_act_fn``) for ungated MLPs."""
+and plain ones (``get_act_fn``) for ungated MLPs. On CUDA the gated ones run the Triton
+kernel ``kernels/activation.py`` (one pass, same roundings); elsewhere torch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from cvllm.kernels.activation import act_and_mul
+
+            return act_and_mul(x, "silu")  # [.., d]
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]  # [.., d]
 
@@ -24,6 +29,10 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from cvllm.kernels.activation import act_and_mul
+
+            return act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]  # [.., d]
 

@@ -1,7 +1,9 @@
 """RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add;
 LayerNorm (with or without bias) for the families that use it (Phi, StableLM).
 
-Built by the model classes; the weight is replicated on every rank.
+Built by the model classes; the weight is replicated on every rank. On CUDA the RMSNorms
+run the Triton kernel ``kernels/rmsnorm.py`` (same roundings, add and norm in one pass);
+elsewhere the torch code below.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from torch import nn
 
 from cvllm.layers.utils import default_weight_loader
 from cvllm.quantization.base import set_weight_attrs
+
+
+def _use_triton(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    """The Triton RMSNorm serves CUDA tensors sharing the weight's dtype (what models
+    pass); anything else keeps the torch path, whose dtype promotion it does not copy."""
+    return (x.is_cuda and x.dtype == weight.dtype and x.shape[-1] <= 65536
+            and (residual is None or residual.dtype == x.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +42,10 @@ class RMSNorm(nn.Module):
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``.
         The add is in the model dtype, as in HF's decoder layers."""
+        if _use_triton(x, self.weight, residual):
+            from cvllm.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -114,6 +127,10 @@ class GemmaRMSNorm(nn.Module):
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``, the
         add in the model dtype."""
+        if _use_triton(x, self.weight, residual):
+            from cvllm.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual, offset=True)
         if residual is not None:
             x = x + residual
             residual = x

@@ -7,7 +7,8 @@ the config's rope settings, read by ``rope_parameters_from_config``. The cos/sin
 formulas as ``transformers.modeling_rope_utils``; it is a plain attribute rather than a
 buffer so that casting the model to bf16 never rounds it (it follows the positions'
 device on first use). Rotation happens in the activations' dtype with cos/sin cast to it,
-as Hugging Face does.
+as Hugging Face does. On CUDA the rotation is the Triton kernel ``kernels/rotary.py``,
+in place on q and k (float32 math, rounded once); elsewhere the torch code below.
 
 ``dynamic`` deviates from HF on purpose: HF recomputes the frequencies from the longest
 sequence of each forward, which a paged cache cannot follow (cached keys would keep stale
@@ -79,9 +80,15 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rotate ``query`` / ``key`` (``[T, heads * head_size]`` or ``[T, heads, head_size]``)
-        at ``positions [T]``; returns new tensors of the input shapes."""
+        at ``positions [T]``; returns tensors of the input shapes: new ones on the CPU, the
+        inputs themselves, rotated in place, on CUDA (callers pass fresh projections)."""
         if self.cos_sin_cache.device != positions.device:
             self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
+        if query.is_cuda:
+            from cvllm.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(positions.reshape(-1), query, key, self.cos_sin_cache,
+                                    self.head_size, self.is_neox_style)
         cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))  # [T, rotary_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
         query = self._rotate(query, cos, sin)

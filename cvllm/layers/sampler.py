@@ -16,6 +16,9 @@ Conventions:
 - Sampling is an exponential race, argmax(p / E) with E ~ Exp(1): one argmax per row, no
   multinomial and no host sync. A seeded row draws E from a generator seeded by
   (seed, output_index), so its token does not depend on the rest of the batch.
+- On CUDA the same steps run in ``kernels/sampling.py`` (Triton): E comes from Philox
+  keyed by the same (seed, output_index) mix, so seeded rows are reproducible there too,
+  but draw other tokens than the torch generators would.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class SamplingTensors:
     do_min_p: bool
     do_repetition: bool
     do_freq_presence: bool
+    max_top_k: int = 0
+    """Largest top-k of the sampled rows, V where one has none: the columns the GPU
+    sampler must rank (host-side, so choosing ``topk`` over a full sort needs no sync)."""
 
     @property
     def num_rows(self) -> int:
@@ -128,6 +134,7 @@ class SamplingTensors:
             do_min_p=any(s and m > 0.0 for s, m in zip(sampled, min_p)),
             do_repetition=any(rep),
             do_freq_presence=any(fp),
+            max_top_k=max((k for s, k in zip(sampled, ks) if s), default=vocab_size),
         )
 
 
@@ -212,12 +219,50 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2 or logits.shape[0] != t.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
         raw = logits
+        if logits.is_cuda:
+            return self._logprobs(raw, self._sample_on_gpu(logits, t), num_logprobs)
         logits = apply_penalties(logits, t)
         sampled = logits.argmax(dim=-1)  # [S]
         if not t.all_greedy:
             random = self._sample(logits, t)  # [S]
             sampled = torch.where(t.is_greedy, sampled, random) if t.any_greedy else random
         return self._logprobs(raw, sampled, num_logprobs)
+
+    def _sample_on_gpu(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """``forward``'s steps in Triton kernels: no [S, V] probs or noise in memory, and
+        one launch for every seeded row instead of one generator each."""
+        from cvllm.kernels import sampling as ks
+
+        logits = logits.float()
+        if t.do_repetition or t.do_freq_presence:
+            logits = ks.apply_penalties(
+                logits, t.output_counts, t.prompt_mask if t.do_repetition else None,
+                t.repetition_penalty, t.frequency_penalty if t.do_freq_presence else None,
+                t.presence_penalty)
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        width = (t.max_top_k or logits.shape[-1]) if (t.do_top_k or t.do_top_p) else None
+        return ks.sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.is_greedy,
+                         self._row_keys(t, logits.device), truncate_width=width,
+                         do_top_p=t.do_top_p)
+
+    def _row_keys(self, t: SamplingTensors, device: torch.device) -> torch.Tensor:
+        """[S] int64 Philox keys: seeded rows mix (seed, output_index) as the torch path
+        does; the others are drawn on the device from the sampler's generator (no sync)."""
+        seeded = [s is not None and not g for s, g in zip(t.seeds, t.greedy)]
+        keys = None
+        if not all(seeded):
+            keys = torch.randint(0, (1 << 63) - 1, (t.num_rows,), dtype=torch.int64,
+                                 device=device, generator=self.generator)
+        if any(seeded):
+            fixed = torch.tensor([_row_seed(int(s), i) if f else 0 for s, i, f in
+                                  zip(t.seeds, t.output_index, seeded)], dtype=torch.int64)
+            fixed = fixed.to(device, non_blocking=True)
+            if keys is None:
+                return fixed
+            mask = torch.tensor(seeded, dtype=torch.bool).to(device, non_blocking=True)
+            keys = torch.where(mask, fixed, keys)
+        return keys
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         logits = logits / t.temperature.unsqueeze(1)  # [S, V]

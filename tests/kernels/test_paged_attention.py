@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from cvllm.kernels import reference_attention as ref
+from cvllm.kernels import reference as ref
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]

@@ -1,0 +1,134 @@
+"""RMSNorm with an optional fused residual add, one row per Triton program (Triton).
+
+Called by ``layers/layernorm.RMSNorm`` / ``GemmaRMSNorm`` on CUDA tensors;
+``kernels/reference.rms_norm_ref`` is the plain-torch version and the test oracle
+(tests/kernels/test_rmsnorm.py, also run on the CPU under ``TRITON_INTERPRET=1``).
+Nothing here keeps state between calls.
+
+One program loads its whole row once (``BLOCK = next_pow2(hidden)``, up to
+``MAX_HIDDEN``), so the residual sum and the normalised output leave in a single pass
+over memory. The math is float32, with the roundings of the torch layers, so the GPU
+output equals the CPU path up to the order of the mean's sum:
+
+- the residual add is rounded to the model dtype (HF adds in the model dtype), and the
+  norm is taken of that rounded sum;
+- ``offset=False`` (Llama): ``w * round(x * rsqrt(mean(x^2) + eps))``, the product
+  rounded again;
+- ``offset=True`` (Gemma): ``round(x * rsqrt(mean(x^2) + eps) * (1 + w))``, float32
+  throughout, rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 65536
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    N, eps,
+    stride_x, stride_res, stride_out, stride_res_out,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Row ``pid``: ``out = norm(x [+ res]) * w`` (see the module docstring for roundings);
+    with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
+    may alias ``x``: every element is read before its own row is written."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    normed = x * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = normed * (1.0 + w)
+    else:
+        y = normed.to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
+
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``t`` as ``[R, hidden]`` with unit stride along hidden (a view where one exists)."""
+    t2 = t.reshape(-1, hidden)  # [R, hidden]
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check_inputs(x, weight, residual, out, residual_out) -> None:
+    """Shapes, dtypes and devices the kernel relies on; raises ValueError."""
+    if x.dim() < 1 or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x [.., N] and weight [N] disagree: {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise ValueError(f"x/weight dtype must be one of {_DTYPES}; got {x.dtype}, {weight.dtype}")
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"hidden size {x.shape[-1]} exceeds the one-block limit {MAX_HIDDEN}")
+    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+        if t is None:
+            continue
+        if t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(f"{name} must match x {tuple(x.shape)} {x.dtype}; got "
+                             f"{tuple(t.shape)} {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if weight.stride(0) != 1:
+        raise ValueError("weight must be contiguous")
+    if residual is None and residual_out is not None:
+        raise ValueError("residual_out needs residual")
+
+
+def _out_rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """An output as a ``[R, hidden]`` view; the kernel writes through it."""
+    try:
+        t2 = t.view(-1, hidden)  # [R, N]
+    except RuntimeError:
+        t2 = None
+    if t2 is None or t2.stride(-1) != 1:
+        raise ValueError(f"{name} must be viewable as [rows, {hidden}] with unit stride")
+    return t2
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+    offset: bool = False,
+    out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """``norm(x)`` or, with ``residual``, ``(norm(x + residual), x + residual)``; the
+    contract of ``reference.rms_norm_ref``. ``x [.., N]``, ``weight [N]``; outputs in x's
+    dtype, new tensors unless ``out`` / ``residual_out`` are given (they may be ``x`` /
+    ``residual`` for an in-place update)."""
+    _check_inputs(x, weight, residual, out, residual_out)
+    hidden = x.shape[-1]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x2, o2 = _rows(x, hidden), _out_rows("out", out, hidden)  # [R, N]
+    r2 = _rows(residual, hidden) if residual is not None else x2
+    ro2 = _out_rows("residual_out", residual_out, hidden) if residual_out is not None else o2
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, o2, ro2, hidden, float(eps),
+            x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
+            HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block,
+            num_warps=min(max(block // 512, 1), 16),
+        )
+    return out if residual is None else (out, residual_out)
