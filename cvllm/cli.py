@@ -38,13 +38,19 @@ def _model_options(f: Callable) -> Callable:
         click.option("--mem", "--kvcache-mem-gpu", "kvcache_mem", type=int, default=None,
                      help="KV cache size in MB."),
         click.option("--gpu-memory-fraction", type=float, default=0.7, show_default=True,
-                     help="Fraction of memory left after loading given to the KV cache."),
+                     help="Fraction of the GPU memory left after the weights, the profiled "
+                          "largest step and the CUDA graphs given to the KV cache."),
         click.option("--max-num-seqs", type=int, default=256, show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--max-model-len", type=int, default=0,
                      help="Context length (default: the model's own)."),
         click.option("--prefill-chunk-size", type=int, default=8192, show_default=True,
                      help="Most prompt tokens per sequence per step; 0 disables chunking."),
+        click.option("--disable-cuda-graph", is_flag=True,
+                     help="Launch decode steps eagerly instead of replaying CUDA graphs."),
+        click.option("--attention-backend", type=click.Choice(["auto", "triton", "torch_ref"]),
+                     default="auto", show_default=True,
+                     help="auto: Triton on CUDA, the torch reference on the CPU."),
         click.option("--yarn-scaling-factor", type=float, default=None,
                      help="Override the model's rope scaling with YaRN at this factor; the "
                           "context becomes factor x max_position_embeddings."),
@@ -104,6 +110,8 @@ def build_engine(kw: Dict[str, Any]):
         max_gen_tokens=kw["max_gen_tokens"], seed=kw["seed"], load_format=kw["load_format"],
         served_model_name=kw.get("served_model_name"),
         yarn_scaling_factor=kw.get("yarn_scaling_factor"),
+        disable_cuda_graph=kw.get("disable_cuda_graph", False),
+        attention_backend=kw.get("attention_backend") or "auto",
         sampling_overrides={k: kw.get(k) for k in _SAMPLING_KEYS},
     )
 

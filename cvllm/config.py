@@ -16,6 +16,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("bf16", "f16", "f32")
+ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
 
 
 @dataclass
@@ -159,10 +160,19 @@ class EngineConfig:
     served_model_name: str = ""
     defaults: Dict[str, Any] = field(default_factory=dict)
     """Server-wide sampling defaults from the CLI (temperature, top_p, ...)."""
+    disable_cuda_graph: bool = False
+    """Launch every step eagerly on CUDA (``--disable-cuda-graph``). Pure-decode steps are
+    still padded to the capture sizes, so outputs do not change (``worker/cuda_graph.py``)."""
+    attention_backend: str = "auto"
+    """``auto`` (Triton on CUDA, the torch reference on the CPU), ``triton`` or
+    ``torch_ref`` (``--attention-backend``; ``attention/backend.py``)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend must be one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.max_gen_tokens <= 0:
             self.max_gen_tokens = min(max(self.model.max_model_len // 5, 128), 16384)
         self.scheduler.max_model_len = self.model.max_model_len

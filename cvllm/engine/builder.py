@@ -11,7 +11,14 @@ import logging
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from cvllm.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
+from cvllm.config import (
+    ATTENTION_BACKENDS,
+    CacheConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.tokenizer import Tokenizer
 from cvllm.models.registry import get_model_class
@@ -59,8 +66,10 @@ def build_llm_engine(
     max_gen_tokens: int = 0, seed: int = 0, load_format: str = "auto",
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
+    disable_cuda_graph: bool = False, attention_backend: str = "auto",
 ) -> Tuple[LLMEngine, Dict[str, Any]]:
-    """Returns the engine and the server-wide sampling defaults."""
+    """Returns the engine and the server-wide sampling defaults. ``disable_cuda_graph``
+    and ``attention_backend`` only matter on CUDA (see ``EngineConfig``)."""
     from cvllm import loader
     from cvllm.worker.model_runner import ModelRunner
 
@@ -77,6 +86,9 @@ def build_llm_engine(
                                                 and yarn_scaling_factor >= 1.0):
         raise ConfigError(f"--yarn-scaling-factor must be a number >= 1, got {yarn_scaling_factor}")
     _sampling_defaults(sampling_overrides or {}, {})
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                          f"got {attention_backend!r}")
     device = _pick_device(cpu, device_ids or [0])
     dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
     source = loader.resolve_model_source(weight_path, weight_file, model_id)
@@ -97,7 +109,8 @@ def build_llm_engine(
                                   prefill_chunk_size=prefill_chunk_size),
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
         served_model_name=served_model_name or _default_name(source),
-        defaults=defaults,
+        defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
+        attention_backend=attention_backend,
     )
     tokenizer = Tokenizer(loader.load_tokenizer(source))
     _check_eos(config, tokenizer)

@@ -18,7 +18,8 @@ Prompt = Union[str, List[int]]
 
 class LLM:
     """``LLM(weight_file=..., cpu=True, ...)`` takes the same options as
-    ``engine.builder.build_llm_engine`` (the CLI's flags, by their long names)."""
+    ``engine.builder.build_llm_engine`` (the CLI's flags, by their long names), e.g.
+    ``disable_cuda_graph=True`` or ``attention_backend="torch_ref"``."""
 
     def __init__(self, **options: Any):
         from cvllm.engine.builder import build_llm_engine

@@ -4,6 +4,15 @@ Built once on rank 0 by ``cli.py`` (serve/generate) or by the offline ``LLM`` cl
 by whichever thread drives ``step()`` (the ``AsyncEngine`` loop thread when serving). It
 owns the scheduler, the per-request detokenizers and the metrics; the ``ModelRunner`` it
 drives owns the model and the KV cache.
+
+A step is synchronous: schedule, build the ``StepInput``, ``runner.execute`` (which
+launches the H2D copies, the forward -- a CUDA graph replay for a padded decode step --
+and the sampler without a host sync, then waits on the step's single device-to-host copy
+of the sampled ids, ``worker/output_copy.py``), update the scheduler, detokenize. The CPU
+does not yet build step N+1 while the GPU runs step N: that needs optimistic scheduling
+in ``core/scheduler.py`` (placeholder tokens patched on the GPU from step N's sampled
+ids, deferred frees of sequences that finish at N); ``docs/adr/overlapped-engine-loop.md``
+has the design and what is missing.
 """
 
 from __future__ import annotations

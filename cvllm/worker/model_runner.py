@@ -7,17 +7,25 @@ builds its block managers from ``kv_layout``) and allocates ``kv_caches[i]`` per
 Each step it receives a ``StepInput`` (flat arrays), copies it to the device, builds the
 ``AttentionMetadata`` (one view per KV group), zeroes the state slots of sequences that
 start afresh, runs the forward and, on rank 0, samples the next tokens.
+
+On CUDA: the KV cache gets ``--gpu-memory-fraction`` of what is left after profiling the
+largest step (``worker/memory.py``) unless ``--mem`` sizes it; attention layers run the
+Triton backend (``attention/backend.py``); pure-decode steps that fit a capture size run
+padded through ``worker/cuda_graph.py`` (graphs captured right after the KV cache is
+allocated, replayed unless ``--disable-cuda-graph``); rank 0 brings the sampled ids back
+with one device-to-host copy per step (``worker/output_copy.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from cvllm.attention.backend import forced_attn_backend
 from cvllm.attention.kv_cache import (
     CacheSizing,
     LayerCache,
@@ -32,6 +40,11 @@ from cvllm.core.kv_cache_manager import KVCacheLayout
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.registry import get_model_class
+from cvllm.worker import memory
+from cvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graph_unsafe_reason
+from cvllm.worker.output_copy import OutputCopy, StepResult
+
+__all__ = ["ModelRunner", "StepResult", "model_cache_specs"]
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -42,16 +55,6 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float
 _CPU_KV_CAP_BYTES = 2 << 30
 
 
-@dataclass
-class StepResult:
-    """Rank 0's result of one step: one entry per sampling row, on the host."""
-
-    token_ids: np.ndarray  # [S] int64
-    logprobs: Optional[np.ndarray] = None  # [S] float32, when any row asked for them
-    top_ids: Optional[np.ndarray] = None  # [S, k]
-    top_logprobs: Optional[np.ndarray] = None  # [S, k]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source, rank: int = 0):
         self.config = config
@@ -59,9 +62,14 @@ class ModelRunner:
         dev = config.device
         self.device = torch.device(dev.device, dev.device_ids[0]) if dev.device == "cuda" else torch.device("cpu")
         self.dtype = TORCH_DTYPES[config.model.dtype]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # events and graphs use the current device
         self.model = self._load_model(source)
         self.cache_specs: List[LayerCacheSpec] = model_cache_specs(self.model, config, self.dtype)
-        self.kv_layout: KVCacheLayout = self._plan_kv_cache()
+        graph_unsafe = (graph_unsafe_reason(self.model, self.cache_specs)
+                        if self.device.type == "cuda" else "not on CUDA")
+        self.kv_layout: KVCacheLayout = self._plan_kv_cache(
+            capture=graph_unsafe is None and not config.disable_cuda_graph)
         self.num_blocks = self.kv_layout.groups[0].num_blocks
         """Blocks of KV group 0 (the only group of most models)."""
         config.cache.num_blocks = self.num_blocks
@@ -76,7 +84,10 @@ class ModelRunner:
         logger.info("KV cache: %.1f MB; groups %s; %d state slots",
                     kv_caches_nbytes(self.kv_caches) / 2**20, groups,
                     self.kv_layout.num_state_slots)
+        self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
+        """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
         self.sampler = Sampler()
+        self.output_copy = OutputCopy(self.device)
 
     # ---------------------------------------------------------------- set-up
     def _load_model(self, source) -> torch.nn.Module:
@@ -86,7 +97,7 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), forced_attn_backend(self.config.attention_backend):
                 model = cls(self.config.model)
         finally:
             torch.set_default_dtype(prev)
@@ -96,9 +107,11 @@ class ModelRunner:
             model.load_weights(loader.iter_weights(source))
         return model.eval()
 
-    def _plan_kv_cache(self) -> KVCacheLayout:
+    def _plan_kv_cache(self, capture: bool) -> KVCacheLayout:
         """Size every group (``attention/kv_cache.py`` documents the split) from --mem,
-        --gpu-memory-fraction or the CPU default, or from a fixed CacheConfig.num_blocks."""
+        --gpu-memory-fraction (on CUDA after profiling, ``worker/memory.py``; ``capture``:
+        keep room for the CUDA graph pool) or the CPU default, or from a fixed
+        CacheConfig.num_blocks."""
         cache, sched = self.config.cache, self.config.scheduler
         sizing = CacheSizing(
             block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
@@ -111,8 +124,15 @@ class ModelRunner:
         if cache.kvcache_mem_mb:
             budget = cache.kvcache_mem_mb * (1 << 20)
         elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_fraction)
+            profile = memory.measure(
+                self.model, self.cache_specs, block_size=cache.block_size,
+                num_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                max_len=min(sizing.max_chunk, sizing.max_model_len),
+                decode_rows=capture_sizes(sched.max_num_seqs)[-1] if capture else 0,
+                device=self.device,
+            )
+            budget = memory.kv_cache_budget(profile, cache.gpu_memory_fraction,
+                                            sched.max_num_batched_tokens)
         else:
             import psutil
 
@@ -120,25 +140,65 @@ class ModelRunner:
             budget = min(int(avail * cache.gpu_memory_fraction), _CPU_KV_CAP_BYTES)
         return plan_kv_cache(self.cache_specs, sizing, budget_bytes=budget)
 
+    def _init_cuda_graphs(self, unsafe: Optional[str]) -> Optional[CudaGraphRunner]:
+        """Padded decode steps, captured now that the KV cache exists (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        if unsafe is not None:
+            logger.info("decode steps run eagerly, unpadded: %s", unsafe)
+            return None
+        sched = self.config.scheduler
+        graphs = CudaGraphRunner(
+            self.model, self.kv_caches, sizes=capture_sizes(sched.max_num_seqs),
+            max_model_len=self.config.model.max_model_len,
+            block_size=self.config.cache.block_size, windows=self.kv_layout.windows,
+            device=self.device, capture=not self.config.disable_cuda_graph,
+        )
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        graphs.capture()
+        if graphs.graphs:
+            logger.info("CUDA graphs: %d decode sizes up to %d captured in %.1f s (%.0f MiB)",
+                        len(graphs.graphs), graphs.sizes[-1], time.perf_counter() - start,
+                        (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
+        else:
+            logger.info("CUDA graphs off: decode steps run padded to %s, eagerly", graphs.sizes)
+        return graphs
+
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def execute(self, step: StepInput, seqs: Optional[Sequence] = None) -> Optional[StepResult]:
         """Run one step. ``seqs`` (rank 0 only) are the sampling rows' sequences, whose
         token histories feed the penalties; other ranks pass None and get None."""
+        self._check_step(step)
+        bs = self.graphs.padded_size(step) if self.graphs is not None else None
+        if bs is not None:
+            hidden = self.graphs.run(step, bs)  # [bs, hidden]: rows past B are padding
+        else:
+            hidden = self._forward_eager(step)  # [T, hidden]
+        if seqs is None or len(step.logits_indices) == 0:
+            return None
+        logits = self.model.compute_logits(self._sampling_rows(hidden, step))  # [S, V] float32
+        return self._sample(logits, step, seqs)
+
+    def _forward_eager(self, step: StepInput) -> torch.Tensor:
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(dev)  # [T]
         positions = torch.from_numpy(step.positions.astype(np.int64)).to(dev)  # [T]
         meta = self._build_metadata(step)
         self._reset_fresh_state_slots(meta)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, hidden]
-        if seqs is None or len(step.logits_indices) == 0:
-            return None
-        idx = torch.from_numpy(step.logits_indices.astype(np.int64)).to(dev)
-        logits = self.model.compute_logits(hidden[idx])  # [S, V] float32
-        return self._sample(logits, step, seqs)
+        return self.model(input_ids, positions, meta, self.kv_caches)  # [T, hidden]
 
-    def _build_metadata(self, step: StepInput) -> AttentionMetadata:
-        """One view per KV group; the group windows must be this runner's own."""
+    def _sampling_rows(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor:
+        """``hidden``'s rows at ``logits_indices`` -> ``[S, hidden]``; a leading run of
+        rows (every decode step) is a view, with no index copy to the device."""
+        idx = step.logits_indices
+        S = int(idx.shape[0])
+        if np.array_equal(idx, np.arange(S)):
+            return hidden[:S]
+        return hidden[torch.from_numpy(idx.astype(np.int64)).to(self.device)]
+
+    def _check_step(self, step: StepInput) -> None:
+        """The step's KV group windows must be this runner's own, its state slots in range."""
         windows = [int(w) or None for w in step.kv_group_windows.tolist()]
         if windows != self.kv_layout.windows:
             raise StepInputError(
@@ -149,6 +209,10 @@ class ModelRunner:
             slots = step.state_slots
             if slots.size and (slots.min() < 0 or slots.max() >= self.kv_layout.num_state_slots):
                 raise StepInputError(f"step {step.step_id} has a state slot out of range")
+
+    def _build_metadata(self, step: StepInput) -> AttentionMetadata:
+        """One view per KV group (``_check_step`` has checked the windows)."""
+        windows = [int(w) or None for w in step.kv_group_windows.tolist()]
         return AttentionMetadata.build(
             slot_mapping=step.slot_mapping, query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens, block_tables=step.block_tables, device=self.device,
@@ -184,13 +248,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1], device=self.device,
         )
         out = self.sampler(logits, tensors, num_logprobs=num_logprobs)
-        res = StepResult(token_ids=out.sampled.cpu().numpy())
-        if want:
-            res.logprobs = out.logprobs.float().cpu().numpy()
-            if num_logprobs > 0 and out.top_logprob_ids is not None:
-                res.top_ids = out.top_logprob_ids.cpu().numpy()
-                res.top_logprobs = out.top_logprob_values.float().cpu().numpy()
-        return res
+        return self.output_copy.fetch(out, with_logprobs=bool(want), num_top=num_logprobs)
 
 
 def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype

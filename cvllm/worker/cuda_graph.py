@@ -1,0 +1,249 @@
+"""Pure-decode steps at padded batch sizes, replayed from CUDA graphs.
+
+Built by the ``ModelRunner`` (every rank, CUDA only) after the KV cache is allocated,
+when every attention layer runs a graph-safe backend (``graph_unsafe_reason``); owned by
+that runner for the life of the engine. It owns:
+
+- ``DecodeBuffers``: the static device inputs of a decode step of up to ``max_bs`` rows
+  (input_ids, positions, slot_mapping and block_tables of every KV group, seq_lens,
+  state_slots), and pinned host staging they are filled from;
+- one ``AttentionMetadata`` per capture size, built once from views of those buffers (no
+  host sync, no copy: the graph reads whatever the buffers hold at replay);
+- one ``torch.cuda.CUDAGraph`` per capture size (largest captured first, all sharing one
+  memory pool) and the hidden-state tensor each one writes.
+
+A step runs here when every sequence decodes one token and the batch fits a capture
+size (``padded_size``): ``run`` stages the step into the buffers, pads rows ``B..bs-1``
+(token 0 at position 0, ``slot_mapping`` -1 so the K/V write skips them, ``seq_len`` 0 so
+attention reads nothing and writes zeros), then replays that size's graph -- or, with
+``--disable-cuda-graph`` (``capture=False``), launches the very same padded forward
+eagerly. Both read the same metadata: ``decode_max_seq_len`` is ``max_model_len``, so the
+Triton decode kernel's grid and split plan depend only on the padded size. The padded
+shape, not the graph, decides the numbers, which is why outputs are identical with graphs
+on and off. Every row is computed independently (GEMM rows, per-token norms and MoE
+routing, per-sequence attention), so padding rows never disturb real ones.
+
+The host copies in the metadata (``seq_lens_cpu``) hold bounds, not values: only
+backends that never read them may run here (``graph_unsafe_reason`` checks it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from cvllm.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
+from cvllm.core.block_manager import cdiv
+from cvllm.core.step_input import StepInput, StepInputError
+
+logger = logging.getLogger("cvllm.worker")
+
+CAPTURE_SIZE_LIMIT = 512
+"""Largest batch captured (vLLM's default): bigger decode batches run eagerly, unpadded."""
+
+GRAPH_SAFE_BACKENDS = ("triton",)
+"""Attention backends that take every size from the metadata's host ints and never read
+its host arrays, so one capture serves every step of its size."""
+
+
+def capture_sizes(max_num_seqs: int, limit: int = CAPTURE_SIZE_LIMIT) -> List[int]:
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs``
+    (included even when not a multiple of 8) or ``limit``, ascending."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    top = min(max_num_seqs, limit)
+    return [s for s in (1, 2, 4, *range(8, top + 1, 8)) if s < top] + [top]
+
+
+def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> Optional[int]:
+    """The smallest capture size that holds ``num_seqs`` rows; None when none does."""
+    if num_seqs < 1:
+        return None
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_pure_decode(step: StepInput) -> bool:
+    """Every sequence of the step computes exactly one new token."""
+    num_seqs = int(step.seq_lens.shape[0])
+    return (num_seqs > 0 and int(step.input_ids.shape[0]) == num_seqs
+            and bool(np.all(np.diff(step.query_start_loc) == 1)))
+
+
+def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec]) -> Optional[str]:
+    """Why decode steps of this model cannot be padded and captured; None when they can.
+    MLA and linear-attention (state) layers plan on the host from the metadata's host
+    arrays, as does the torch reference backend, so a capture would freeze one step's
+    sizes into every replay."""
+    from cvllm.layers.attention import Attention
+
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            return f"layer {i} keeps a {type(spec).__name__} cache"
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if not attns:
+        return "the model has no paged attention layers"
+    names = sorted({a.backend.name for a in attns} - set(GRAPH_SAFE_BACKENDS))
+    if names:
+        return f"attention backend {', '.join(names)} plans on the host"
+    return None
+
+
+class DecodeBuffers:
+    """Static device inputs of a padded decode step, rows ``0..max_bs-1``, and the host
+    staging they are copied from (pinned on CUDA: two host-to-device copies a step)."""
+
+    def __init__(self, max_bs: int, max_blocks: int, num_groups: int, device: torch.device):
+        self.max_bs, self.max_blocks, self.num_groups = max_bs, max_blocks, num_groups
+        self.device = device
+        cuda = device.type == "cuda"
+        n64, n32 = (2 + num_groups) * max_bs, max_bs * (1 + num_groups * max_blocks)
+        self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=cuda)
+        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=cuda)
+        self._host64[2 * max_bs:] = PAD_SLOT_ID  # until staged, every row is padding
+        self._i64 = self._host64.to(device)  # [(2 + G) * max_bs]: ids | positions | slots per group
+        self._i32 = self._host32.to(device)  # [max_bs + G*bs*m]: seq_lens | compact tables
+        self.input_ids = self._i64[:max_bs]  # [max_bs]
+        self.positions = self._i64[max_bs:2 * max_bs]  # [max_bs]
+        self.slot_mapping = [self._i64[(2 + g) * max_bs:(3 + g) * max_bs]
+                             for g in range(num_groups)]  # G x [max_bs]
+        self.seq_lens = self._i32[:max_bs]  # [max_bs]
+        self.block_tables = [torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+                             for _ in range(num_groups)]  # G x [max_bs, M]
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.query_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(max_bs, dtype=torch.bool, device=device)
+        self.state_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self._staged = torch.cuda.Event() if cuda else None
+        """Recorded after the host-to-device copies: the staging is free again once it fires."""
+
+    def load(self, step: StepInput, bs: int) -> None:
+        """Stage ``step`` (B <= bs pure-decode rows) into rows ``0..bs-1``; rows B.. pad."""
+        B, mb = int(step.seq_lens.shape[0]), self.max_bs
+        m = int(step.block_tables.shape[1]) if step.block_tables.ndim == 2 else 0
+        if not B <= bs <= mb or m > self.max_blocks or step.num_kv_groups != self.num_groups:
+            raise StepInputError(f"step {step.step_id} ({B} rows, {m} block columns, "
+                                 f"{step.num_kv_groups} KV groups) does not fit the decode "
+                                 f"buffers ({mb} rows, {self.max_blocks} columns, "
+                                 f"{self.num_groups} groups) at size {bs}")
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copies may still read it
+        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        _fill(h64[:bs], step.input_ids, 0)
+        _fill(h64[mb:mb + bs], step.positions, 0)
+        _fill(h32[:bs], step.seq_lens, 0)
+        for g in range(self.num_groups):
+            _, slots, tables = step.kv_group(g)
+            _fill(h64[(2 + g) * mb:(2 + g) * mb + bs], slots, PAD_SLOT_ID)
+            view = h32[mb + g * bs * m:mb + (g + 1) * bs * m].reshape(bs, m)  # [bs, m]
+            np.maximum(tables, 0, out=view[:B])  # freed sliding blocks (-1) read block 0
+            view[B:] = 0
+        n32 = mb + self.num_groups * bs * m
+        self._i64.copy_(self._host64, non_blocking=True)
+        self._i32[:n32].copy_(self._host32[:n32], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        for g in range(self.num_groups):  # device-side: compact [bs, m] into [max_bs, M]
+            src = self._i32[mb + g * bs * m:mb + (g + 1) * bs * m].view(bs, m)
+            self.block_tables[g][:bs, :m].copy_(src)
+
+
+def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
+    n = values.shape[0]
+    dst[:n] = values
+    dst[n:] = pad
+
+
+class CudaGraphRunner:
+    """Padded decode steps for one runner: staging, metadata, capture and replay."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, *, sizes: Sequence[int],
+                 max_model_len: int, block_size: int, windows: Sequence[Optional[int]],
+                 device: torch.device, capture: bool = True):
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.windows = list(windows)
+        self.device = device
+        self.capture_enabled = capture and device.type == "cuda"
+        self.buffers = DecodeBuffers(self.sizes[-1], cdiv(max_model_len, block_size),
+                                     len(self.windows), device)
+        self._metadata: Dict[int, AttentionMetadata] = {}
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        """Each graph's hidden states ``[bs, hidden]``, rewritten by every replay."""
+
+    def padded_size(self, step: StepInput) -> Optional[int]:
+        """The size this step runs at here, or None for the eager path."""
+        if not is_pure_decode(step):
+            return None
+        return padded_batch_size(int(step.seq_lens.shape[0]), self.sizes)
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        """The metadata of a padded step of ``bs`` rows: views of the static buffers, no
+        device work (a replay sees the values staged by ``load``)."""
+        meta = self._metadata.get(bs)
+        if meta is not None:
+            return meta
+        b, L = self.buffers, self.max_model_len
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[0][:bs], query_start_loc=b.query_start_loc[:bs + 1],
+            seq_lens=b.seq_lens[:bs], block_tables=b.block_tables[0][:bs],
+            max_query_len=1, max_seq_len=L, num_tokens=bs, query_lens=b.query_lens[:bs],
+            num_decodes=bs, decode_max_seq_len=L, prefill_max_seq_len=0,
+            prefill_max_query_len=0, query_start_loc_cpu=np.arange(bs + 1, dtype=np.int64),
+            seq_lens_cpu=np.full(bs, L, dtype=np.int64),  # bounds, see the module docstring
+            has_initial_state=b.has_initial_state[:bs], state_slots=b.state_slots[:bs],
+            sliding_window=self.windows[0],
+        )
+        meta.groups[meta.sliding_window] = meta
+        for g, window in enumerate(self.windows[1:], start=1):
+            meta.groups[window] = dataclasses.replace(
+                meta, slot_mapping=b.slot_mapping[g][:bs], block_tables=b.block_tables[g][:bs],
+                sliding_window=window,
+            )
+        self._metadata[bs] = meta
+        return meta
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        b = self.buffers
+        return self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(bs), self.kv_caches)
+
+    def run(self, step: StepInput, bs: int) -> torch.Tensor:
+        """Hidden states ``[bs, hidden]`` of the step padded to ``bs``; rows past the
+        step's B are padding. A graph's output is rewritten by its next replay."""
+        self.buffers.load(step, bs)
+        graph = self.graphs.get(bs)
+        if graph is None:
+            return self._forward(bs)
+        graph.replay()
+        return self.outputs[bs]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller ones reuse its pool. The
+        buffers hold padding only (slot -1, seq_len 0), so capturing writes no KV. A
+        failed capture leaves every size eager (padded), with a warning."""
+        if not self.capture_enabled:
+            return
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for bs in reversed(self.sizes):
+                self._forward(bs)  # warm-up: compiles kernels, moves lazy buffers
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bs)
+                self.graphs[bs], self.outputs[bs] = graph, out
+        except RuntimeError as e:
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+            self.graphs.clear()
+            self.outputs.clear()
+        torch.cuda.synchronize(self.device)
