@@ -44,6 +44,7 @@ from cvllm.layers.utils import torch_dtype
 from cvllm.models import utils as model_utils
 from cvllm.models.moe_utils import load_moe_model_weights
 from cvllm.quantization.base import QuantizationConfig
+from cvllm.models.base import CausalLMBase
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ class DeepseekV2Model(nn.Module):
         return hidden_states
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLMBase):
     # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
     stacked_params_mapping = [
         (".gate_up_proj", ".gate_proj", 0),
@@ -315,17 +316,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.dtype,
         )
         return [spec] * self.config.num_layers
-
-    def forward(
-        self, input_ids, positions, attn_metadata: AttentionMetadata, kv_caches: Sequence
-    ) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; writes this
-        step's latents into ``kv_caches[layer][0]``."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden] -> [S, vocab]`` float32."""
-        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Load HF-named tensors (experts per expert or stacked; ``kv_b_proj`` fused or as

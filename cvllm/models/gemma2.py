@@ -23,7 +23,7 @@ rank's weight shards; it owns no KV cache: ``forward`` takes the worker's per-la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Set, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from cvllm.layers.layernorm import GemmaRMSNorm
 from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from cvllm.layers.utils import divide, torch_dtype
-from cvllm.models import utils as model_utils
+from cvllm.models.base import CausalLMBase
 from cvllm.quantization.base import QuantizationConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -239,7 +239,7 @@ class GemmaModel(nn.Module):
         return hidden_states
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(CausalLMBase):
     # transformers' Gemma2Config defaults, for keys a config.json leaves out.
     default_sliding_window_pattern = 2
     default_final_logit_softcapping: Optional[float] = 30.0
@@ -329,29 +329,3 @@ class Gemma2ForCausalLM(nn.Module):
             else:
                 specs.append(FullAttentionSpec(attn.num_kv_heads, attn.head_size, dtype))
         return specs
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; writes this
-        step's K/V into ``kv_caches[layer]``."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden] -> [S, vocab]`` float32, soft-capped when the config says so."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Load HF-named tensors; raises ``WeightLoadError`` on unknown or missing ones."""
-        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return model_utils.load_weights_with_mapping(
-            self, weights, self.stacked_params_mapping, self.ignored_weight_substrings, skip
-        )
-
-    def init_dummy_weights(self, seed: int) -> None:
-        # Gemma norms hold offsets: N(0, std) is close to HF's zero (identity) init.
-        model_utils.init_dummy_weights(self, seed)

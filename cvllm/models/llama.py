@@ -16,7 +16,7 @@ and ``_sliding_window`` (one window, or one per layer).
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from cvllm.layers.utils import divide, torch_dtype
-from cvllm.models import utils as model_utils
+from cvllm.models.base import CausalLMBase
 from cvllm.quantization.base import QuantizationConfig
 
 
@@ -238,7 +238,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase):
     model_cls = LlamaModel
     # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
     stacked_params_mapping = [
@@ -277,32 +277,6 @@ class LlamaForCausalLM(nn.Module):
     def _sliding_window(model_config: ModelConfig) -> Union[None, int, List[Optional[int]]]:
         """One window for all layers, or one per layer (None = full attention)."""
         return None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; writes this
-        step's K/V into ``kv_caches[layer]``."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden] -> [S, vocab]`` float32."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...); raises
-        ``WeightLoadError`` listing unknown or missing ones."""
-        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return model_utils.load_weights_with_mapping(
-            self, weights, self.stacked_params_mapping, self.ignored_weight_substrings, skip
-        )
-
-    def init_dummy_weights(self, seed: int) -> None:
-        model_utils.init_dummy_weights(self, seed)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

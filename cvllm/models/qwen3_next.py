@@ -46,6 +46,7 @@ from cvllm.layers.utils import divide, torch_dtype
 from cvllm.models import utils as model_utils
 from cvllm.models.moe_utils import load_moe_model_weights
 from cvllm.quantization.base import QuantizationConfig
+from cvllm.models.base import CausalLMBase
 
 
 # Zero-centred RMSNorm (``norm(x) * (1 + w)`` in float32): the same math as Gemma's.
@@ -254,7 +255,7 @@ class Qwen3NextModel(nn.Module):
         return hidden_states
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLMBase):
     linear_attn_cls = Qwen3NextGatedDeltaNet
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
@@ -301,16 +302,6 @@ class Qwen3NextForCausalLM(nn.Module):
                 attn = layer.self_attn
                 specs.append(FullAttentionSpec(attn.num_kv_heads, attn.head_dim, self.dtype))
         return specs
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: Sequence[Tuple]) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; updates the
-        K/V of full-attention layers and the state slots of linear-attention ones."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden] -> [S, vocab]`` float32."""
-        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """HF-named tensors (experts per expert or stacked); raises ``WeightLoadError``
