@@ -88,6 +88,10 @@ class CacheConfig:
     """Fraction of the memory left after loading weights given to the KV cache."""
     num_blocks: Optional[int] = None
     """Set by the worker once the cache is sized; tests may fix it directly."""
+    fp8_kvcache: bool = False
+    """--fp8-kvcache: full and sliding attention layers keep K/V in FP8 e4m3 with a
+    per-layer scale (``attention/kv_cache.py``), half the bytes of bf16; MLA latents and
+    linear-attention states stay in the model dtype."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128, 256):

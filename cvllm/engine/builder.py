@@ -66,7 +66,7 @@ def build_llm_engine(
     max_gen_tokens: int = 0, seed: int = 0, load_format: str = "auto",
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
-    disable_cuda_graph: bool = False, attention_backend: str = "auto",
+    disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
 ) -> Tuple[LLMEngine, Dict[str, Any]]:
     """Returns the engine and the server-wide sampling defaults. ``disable_cuda_graph``
     and ``attention_backend`` only matter on CUDA (see ``EngineConfig``)."""
@@ -75,7 +75,8 @@ def build_llm_engine(
 
     # Check every flag before the (slow) model load, so a typo fails in a second.
     cache = CacheConfig(block_size=block_size, kvcache_mem_mb=kvcache_mem_mb,
-                        gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks)
+                        gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
+                        fp8_kvcache=fp8_kvcache)
     SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max(max_model_len, 1),
                     prefill_chunk_size=prefill_chunk_size)
     if max_model_len < 0:

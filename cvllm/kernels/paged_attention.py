@@ -27,6 +27,13 @@ Kernels:
 
 Scores are float32 throughout: ``s = scale * q.k``, then ``softcap * tanh(s / softcap)``,
 then the softmax in base 2.
+
+FP8 caches (``torch.float8_e4m3fn``, ``--fp8-kvcache``): every kernel then takes
+``k_scale`` / ``v_scale``, one float32 per tensor on the device (read by the kernel, so a
+new value needs no recompile and no CUDA graph recapture). The write stores
+``clamp(x / scale, +-448)``; the reads cast the e4m3 tile to q's dtype for ``tl.dot`` and
+fold the scales into the math instead of rescaling every element: ``k_scale`` into the
+score scale, ``v_scale`` into the normalised output (attention is linear in V).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_FP8 = torch.float8_e4m3fn
+_CACHE_DTYPES = _FLOAT_DTYPES + (_FP8,)
 _MIN_SPLIT_TOKENS = 256
 """A decode split shorter than this costs more in the merge than it saves."""
 _MAX_SPLITS = 64
@@ -100,12 +109,28 @@ def _online_softmax_step(s, m_i, l_i, acc, v, IEEE_F32: tl.constexpr):
 
 
 @triton.jit
+def _to_e4m3_grid(x):
+    """float32 ``x`` saturated at e4m3fn's +-448 (an overflowing cast would be NaN) and
+    rounded to nearest-even on the e4m3 grid, in float32, so that the cast that follows
+    is exact. Rounding here rather than in the cast keeps the interpreter (whose float8
+    cast drops the carry: 1.97 -> 1.0) in step with the GPU and the torch reference.
+    Adding then subtracting ``c = 1.5 * 2**(e + 23)`` rounds to multiples of ``2**e``,
+    the e4m3 step at |x| (3 mantissa bits, no smaller than 2**-9 for subnormals)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2|x|)
+    step = tl.maximum(exp, -6) - 3  # log2 of the e4m3 spacing at |x|
+    c = ((step + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    r = (x + c) - c
+    return tl.where(x < 0, -tl.abs(r), r)  # a negative that rounds to 0 stays -0, as in torch
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcn, stride_kcb, stride_kch, stride_vcn, stride_vcb, stride_vch,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     """Token ``t``'s K and V rows of a BLOCK_H tile of KV heads into slot_mapping[t]."""
     t = tl.program_id(0)
@@ -120,6 +145,9 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     kc = k_cache_ptr + blk * stride_kcn + off * stride_kcb + h[:, None] * stride_kch + d[None, :]
     vc = v_cache_ptr + blk * stride_vcn + off * stride_vcb + h[:, None] * stride_vch + d[None, :]
+    if FP8:
+        k = _to_e4m3_grid(k.to(tl.float32) / tl.load(k_scale_ptr))
+        v = _to_e4m3_grid(v.to(tl.float32) / tl.load(v_scale_ptr))
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -130,10 +158,14 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64; -1 = padding, nothing written
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
 ) -> None:
-    """Store this step's keys and values at their cache slots (cast to the cache dtype).
-    Slots are not range-checked on the device (that would sync)."""
+    """Store this step's keys and values at their cache slots (cast to the cache dtype;
+    FP8: ``clamp(x / scale, +-448)``). Slots are not range-checked on the device (that
+    would sync). Reference: ``write_kv_ref``."""
     _check_caches(k_cache, v_cache)
+    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
     if k.dim() != 3 or v.shape != k.shape or tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, Hkv, D] "
                          f"matching the cache {tuple(k_cache.shape)}")
@@ -150,10 +182,10 @@ def write_kv(
     block_h = min(triton.next_power_of_2(hkv), max(1, 4096 // block_d))
     grid = (T, triton.cdiv(hkv, block_h))
     _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, hkv, d, k_cache.shape[1],
+        k, v, k_cache, v_cache, slot_mapping, ks, vs, hkv, d, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8,
     )
 
 
@@ -163,17 +195,20 @@ def write_kv(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale, softcap, window, block_size, split_len, num_splits, num_heads, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     DIRECT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
     of its visible keys ``[start, seq_len)``."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
     seq_len = tl.load(seq_lens_ptr + b)
     start = 0
     if USE_WINDOW:
@@ -202,6 +237,8 @@ def _decode_kernel(
                           stride_vn, stride_vb, stride_vh).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split: zeros
+    if FP8:
+        o = o * tl.load(v_scale_ptr)  # sum p (v8 * vs) = (sum p v8) * vs
     if DIRECT:  # a single split: no merge needed
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -303,6 +340,8 @@ def decode_attention(
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> ``out [B, H, D]``.
 
@@ -311,6 +350,7 @@ def decode_attention(
     grid; fix both to keep it constant, e.g. for CUDA graphs. Reference:
     ``decode_attention_ref``."""
     _check_attention(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
     out = _check_out(q, out)
     B, H, D = q.shape
     hkv = k_cache.shape[2]
@@ -330,13 +370,13 @@ def decode_attention(
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     group = H // hkv
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, ks, vs,
         float(scale), float(softcap or 0.0), window, k_cache.shape[1], split_len, num_splits,
         H, D, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         DIRECT=direct, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_block_d(D),
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
-        num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
+        FP8=fp8, num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
     )
     if not direct:
         merge_attention_partials(part_out, part_lse, out)
@@ -349,11 +389,12 @@ def decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, scale, softcap, window, block_size, head_dim,
+    seq_lens_ptr, k_scale_ptr, v_scale_ptr, scale, softcap, window, block_size, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Query tile ``pid_m`` of head ``h`` of sequence ``b`` over the keys it can see."""
     pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -361,6 +402,8 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
         return  # the grid is sized for the longest query of the batch
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len  # keys cached before this step
     kvh = h // GROUP
@@ -396,6 +439,8 @@ def _prefill_kernel(
                           stride_vn, stride_vb, stride_vh).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -437,6 +482,8 @@ def prefill_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     out: Optional[torch.Tensor] = None,  # [T, H, D]; rows of other sequences left untouched
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Variable-length causal attention of each sequence's queries over its paged context
     (which already holds this step's keys) -> ``out``. ``max_query_len`` is a host bound
@@ -448,6 +495,7 @@ def prefill_attention(
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} must be [B+1={B + 1}]")
     _check_dtypes(query_start_loc=(query_start_loc, _INDEX_DTYPES))
     _check_same_device(q, query_start_loc)
+    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.zeros_like(q)
     out = _check_out(q, out)
@@ -458,13 +506,13 @@ def prefill_attention(
     window = int(sliding_window) if sliding_window else 0
     grid = (triton.cdiv(max_query_len, bm), H, B)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, ks, vs,
         float(scale), float(softcap or 0.0), window, k_cache.shape[1], D,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=H // k_cache.shape[2], BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block_d(D),
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
-        num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
+        FP8=fp8, num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
     )
     return out
 
@@ -495,8 +543,28 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} "
                          "must both be [N, bs, Hkv, D]")
-    _check_dtypes(k_cache=(k_cache, _FLOAT_DTYPES), v_cache=(v_cache, _FLOAT_DTYPES))
+    _check_dtypes(k_cache=(k_cache, _CACHE_DTYPES), v_cache=(v_cache, _CACHE_DTYPES))
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
     _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
+
+
+def _scale_args(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
+                v_scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(k_scale, v_scale, fp8)`` kernel arguments: an FP8 cache needs both scales as
+    one float32 each on its device; other caches take none (the cache itself stands in
+    for the pointers, which the kernels then never read)."""
+    fp8 = k_cache.dtype == _FP8
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale are for FP8 caches, not {k_cache.dtype}")
+        return k_cache, k_cache, False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"an FP8 cache needs {name} as one float32 element, got "
+                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
+    _check_same_device(k_cache, k_scale, v_scale)
+    return k_scale, v_scale, True
 
 
 def _check_attention(q, k_cache, v_cache, block_tables, seq_lens, batch: int) -> None:

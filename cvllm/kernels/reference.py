@@ -164,20 +164,44 @@ def rms_norm_gated_ref(
 # ``seq_len - q_len .. seq_len - 1`` and see key j iff ``j <= pos`` (and
 # ``j > pos - sliding_window``).
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+"""The FP8 KV cache dtype (``--fp8-kvcache``): e4m3, finite only, largest value 448."""
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype,
+                    scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` as the cache stores it: an FP8 cache holds ``clamp(x / scale, +-448)``
+    (saturating: e4m3fn has no inf, an overflow would be NaN); others a plain cast."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    xf = x.float() / scale.float()
+    return xf.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv_ref(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Cached K or V back to float32 (``x * scale`` for FP8)."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x.float()
+    return x.float() * scale.float()
+
+
 def write_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int; -1 (padding) writes nothing
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32, FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Store token t's K/V at slot ``slot_mapping[t]``, in the cache's dtype."""
     bs = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // bs, slot % bs] = k[t].to(k_cache.dtype)
-        v_cache[slot // bs, slot % bs] = v[t].to(v_cache.dtype)
+        k_cache[slot // bs, slot % bs] = quantize_kv_ref(k[t], k_cache.dtype, k_scale)
+        v_cache[slot // bs, slot % bs] = quantize_kv_ref(v[t], v_cache.dtype, v_scale)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -221,12 +245,14 @@ def decode_attention_ref(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32, FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference of ``decode_attention``: ``[B, H, D]`` in q's dtype."""
     out = torch.empty_like(q)
     for b, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_context(k_cache, block_tables[b], seq_len)  # [L, Hkv, D]
-        v = gather_context(v_cache, block_tables[b], seq_len)
+        k = dequantize_kv_ref(gather_context(k_cache, block_tables[b], seq_len), k_scale)
+        v = dequantize_kv_ref(gather_context(v_cache, block_tables[b], seq_len), v_scale)
         qpos = torch.tensor([seq_len - 1], device=q.device)
         out[b] = attend_ref(q[b : b + 1], k, v, qpos, scale, sliding_window, softcap)[0]
     return out
@@ -242,6 +268,8 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32, FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference of ``prefill_attention``: ``[T, H, D]`` in q's dtype; q rows that belong
     to none of the B sequences are zero."""
@@ -249,8 +277,8 @@ def prefill_attention_ref(
     qsl = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         t0, t1 = qsl[b], qsl[b + 1]
-        k = gather_context(k_cache, block_tables[b], seq_len)  # [L, Hkv, D]
-        v = gather_context(v_cache, block_tables[b], seq_len)
+        k = dequantize_kv_ref(gather_context(k_cache, block_tables[b], seq_len), k_scale)
+        v = dequantize_kv_ref(gather_context(v_cache, block_tables[b], seq_len), v_scale)
         qpos = torch.arange(seq_len - (t1 - t0), seq_len, device=q.device)  # [Q]
         out[t0:t1] = attend_ref(q[t0:t1], k, v, qpos, scale, sliding_window, softcap)
     return out

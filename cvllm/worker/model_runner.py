@@ -30,8 +30,10 @@ from cvllm.attention.kv_cache import (
     CacheSizing,
     LayerCache,
     allocate_kv_caches,
+    fp8_kv_specs,
     kv_caches_nbytes,
     plan_kv_cache,
+    reset_kv_scales,
 )
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
@@ -66,6 +68,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # events and graphs use the current device
         self.model = self._load_model(source)
         self.cache_specs: List[LayerCacheSpec] = model_cache_specs(self.model, config, self.dtype)
+        if config.cache.fp8_kvcache:  # halves bytes per block: sizing and allocation see it
+            self.cache_specs = fp8_kv_specs(self.cache_specs)
         graph_unsafe = (graph_unsafe_reason(self.model, self.cache_specs)
                         if self.device.type == "cuda" else "not on CUDA")
         self.kv_layout: KVCacheLayout = self._plan_kv_cache(
@@ -86,6 +90,7 @@ class ModelRunner:
                     self.kv_layout.num_state_slots)
         self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
         """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
+        reset_kv_scales(self.kv_caches)  # FP8: the first real prefill calibrates, not warm-up
         self.sampler = Sampler()
         self.output_copy = OutputCopy(self.device)
 

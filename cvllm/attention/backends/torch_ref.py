@@ -8,6 +8,11 @@ device sync: the leading decode sequences run through a one-query path, the rest
 padded to ``[B, Qmax, Lmax]`` and run as one masked SDPA call. Groups of sequences
 are sized so the float32 scores stay under ``MAX_ELEMS`` elements; a sequence too long
 for that alone is cut into query chunks. Scores and softmax are float32 in any dtype.
+
+FP8 caches (``--fp8-kvcache``, ``attention/kv_cache.py``): writes store
+``clamp(x / scale, +-448)`` in e4m3 and gathers dequantize to float32 (``x * scale``),
+with the per-tensor ``kv_scale`` the cache tensor carries (calibrated at its first write) -- the same math as the
+Triton kernels and ``kernels/reference.py``, so the CPU engine supports the flag too.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from cvllm.attention.kv_cache import calibrate_kv_scale, kv_scales
 from cvllm.attention.metadata import AttentionMetadata
+from cvllm.kernels.reference import dequantize_kv_ref, quantize_kv_ref
 
 MAX_ELEMS = 1 << 26
 """Float32 elements (scores + gathered K/V) one group may materialise: 256 MiB."""
@@ -30,10 +37,13 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, no padding slots
 ) -> None:
-    """Store this step's keys and values at their cache slots."""
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # [N*bs, Hkv, D]
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store this step's keys and values at their cache slots (FP8: quantized)."""
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        calibrate_kv_scale(cache, x)  # first real write of an FP8 cache only
+        xq = quantize_kv_ref(x, cache.dtype, kv_scales(cache))  # [T, Hkv, D]
+        if xq.element_size() == 1:  # CPU index_copy_ has no float8 kernel: copy the bytes
+            cache, xq = cache.view(torch.uint8), xq.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, xq)  # [N*bs, Hkv, D]
 
 
 def forward(
@@ -153,6 +163,8 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, L: int) -> torch
         )
     idx = block_tables[:, :nb].reshape(-1)  # [B*nb]
     g = cache.index_select(0, idx)  # [B*nb, bs, Hkv, D]
+    if g.dtype == torch.float8_e4m3fn:
+        g = dequantize_kv_ref(g, kv_scales(cache))  # float32
     return g.view(B, nb * bs, cache.shape[2], cache.shape[3])[:, :L]  # [B, L, Hkv, D]
 
 

@@ -12,6 +12,8 @@ Semantics match the reference exactly: K/V of the ``meta.num_tokens`` real token
 written first (slot -1 writes nothing), then every query attends over its sequence's
 cache causally, with the window and softcap of the layer; padding rows (past
 ``num_tokens``) of the output are zero. Selection is ``attention/backend.py``'s job.
+FP8 caches: each cache tensor's ``kv_scale`` (``attention/kv_cache.py``) goes to the
+kernels as ``k_scale`` / ``v_scale`` (calibrated on the device at its first write).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from cvllm.attention.kv_cache import calibrate_kv_scale, kv_scales
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.kernels import paged_attention as pa
 
@@ -31,8 +34,11 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 entries (padding) are skipped
 ) -> None:
-    """Store this step's keys and values at their cache slots."""
-    pa.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    """Store this step's keys and values at their cache slots (FP8: quantized)."""
+    calibrate_kv_scale(k_cache, k)  # first real write of an FP8 cache only
+    calibrate_kv_scale(v_cache, v)
+    pa.write_kv(k, v, k_cache, v_cache, slot_mapping,
+                k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))
 
 
 def forward(
@@ -50,7 +56,10 @@ def forward(
     Returns ``[T, H, D]``; rows of padding tokens (past ``meta.num_tokens``) are zero."""
     n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
     _check_meta(q, k_cache, meta)
-    pa.write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+    scales = dict(k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))  # None unless FP8
+    calibrate_kv_scale(k_cache, k[:n])  # first real write of an FP8 cache only
+    calibrate_kv_scale(v_cache, v[:n])
+    pa.write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n], **scales)
     out = torch.empty_like(q)  # [T, H, D]
     out[n:].zero_()
     window = int(sliding_window) if sliding_window else None
@@ -60,13 +69,13 @@ def forward(
         pa.decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
             sliding_window=window, softcap=cap, out=out[:nd],
-            max_seq_len=meta.decode_max_seq_len,
+            max_seq_len=meta.decode_max_seq_len, **scales,
         )
     if nd < B:
         pa.prefill_attention(
             q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
             meta.seq_lens[nd:], meta.prefill_max_query_len, scale,
-            sliding_window=window, softcap=cap, out=out,
+            sliding_window=window, softcap=cap, out=out, **scales,
         )
     return out
 
