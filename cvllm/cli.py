@@ -16,6 +16,7 @@ import click
 
 from cvllm import __version__
 from cvllm.config import ConfigError
+from cvllm.sampling_params import DEFAULTABLE_SAMPLING_KEYS
 
 logger = logging.getLogger("cvllm")
 
@@ -86,8 +87,6 @@ def _sampling_options(f: Callable) -> Callable:
     return f
 
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                  "presence_penalty", "repetition_penalty")
 
 
 def _parse_device_ids(text: str) -> List[int]:
@@ -116,7 +115,7 @@ def build_engine(kw: Dict[str, Any]):
         disable_cuda_graph=kw.get("disable_cuda_graph", False),
         fp8_kvcache=kw.get("fp8_kvcache", False),
         attention_backend=kw.get("attention_backend") or "auto",
-        sampling_overrides={k: kw.get(k) for k in _SAMPLING_KEYS},
+        sampling_overrides={k: kw.get(k) for k in DEFAULTABLE_SAMPLING_KEYS},
     )
 
 
@@ -223,7 +222,7 @@ def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: 
     engine, defaults = build_engine(kw)
     llm = LLM.from_engine(engine)
     try:
-        sampling = {k: v for k, v in defaults.items() if k in _SAMPLING_KEYS}
+        sampling = {k: v for k, v in defaults.items() if k in DEFAULTABLE_SAMPLING_KEYS}
         params = SamplingParams(**sampling, max_tokens=max_tokens or engine.config.max_gen_tokens)
     except SamplingParamsError as e:
         _fail(str(e))

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 
+# The sampling values a server can default from its command line or the model's
+# generation_config.json (requests may still override each one).
+DEFAULTABLE_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                             "presence_penalty", "repetition_penalty")
+
+
 class SamplingParamsError(ValueError):
     """A sampling value is out of range; ``param`` names the offending field."""
 

@@ -22,11 +22,10 @@ from cvllm.config import (
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.tokenizer import Tokenizer
 from cvllm.models.registry import get_model_class
+from cvllm.sampling_params import DEFAULTABLE_SAMPLING_KEYS
 
 logger = logging.getLogger("cvllm.engine")
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                  "presence_penalty", "repetition_penalty")
 
 
 def _pick_device(cpu: bool, device_ids: List[int]) -> DeviceConfig:
@@ -49,8 +48,8 @@ def _sampling_defaults(overrides: Dict[str, Any], generation_defaults: Dict[str,
     """CLI flags over the model's generation_config.json over SamplingParams' own."""
     from cvllm.sampling_params import SamplingParams, SamplingParamsError
 
-    out = {k: v for k, v in generation_defaults.items() if k in _SAMPLING_KEYS and v is not None}
-    out.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_KEYS and v is not None})
+    out = {k: v for k, v in generation_defaults.items() if k in DEFAULTABLE_SAMPLING_KEYS and v is not None}
+    out.update({k: v for k, v in (overrides or {}).items() if k in DEFAULTABLE_SAMPLING_KEYS and v is not None})
     try:
         SamplingParams(**out)
     except SamplingParamsError as e:

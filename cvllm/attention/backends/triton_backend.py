@@ -56,10 +56,8 @@ def forward(
     Returns ``[T, H, D]``; rows of padding tokens (past ``meta.num_tokens``) are zero."""
     n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
     _check_meta(q, k_cache, meta)
+    write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
     scales = dict(k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))  # None unless FP8
-    calibrate_kv_scale(k_cache, k[:n])  # first real write of an FP8 cache only
-    calibrate_kv_scale(v_cache, v[:n])
-    pa.write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n], **scales)
     out = torch.empty_like(q)  # [T, H, D]
     out[n:].zero_()
     window = int(sliding_window) if sliding_window else None
