@@ -3,10 +3,18 @@
 ``Scheduler`` is built by ``engine/`` on rank 0 (with the ``BlockManager``) and owned by
 the engine thread; it never runs on other ranks. Each step the engine calls
 ``schedule()`` -> ``SchedulerOutput`` (built here, read by ``build_step_input`` and the
-engine), runs the step on every rank, then calls ``update(out, sampled)``. The two
-alternate: ``schedule()`` refuses to run while a step is in flight, and blocks of a
-sequence aborted or finished while its step is in flight are freed only in ``update()``
-(DESIGN rule 8: KV blocks are freed only after every rank has finished the step).
+engine), runs the step on every rank, then calls ``update(out, sampled)``.
+
+At most two steps are in flight: the overlapped engine loop schedules step N+1 while N
+runs. ``schedule()`` advances ``num_computed_tokens`` at once (a scheduled token counts as
+computed), and every sequence a step samples gets a placeholder token
+(``core/sequence.py``), so step N+1 can give it its next decode before N's token is known;
+``update(N)`` writes the real ids over the placeholders, oldest step first. While a step
+is in flight nothing is preempted: a sequence that would need it is skipped and the
+output says ``starved`` (the engine then runs the next step synchronously). Blocks of a
+sequence that finishes or is aborted while steps that use it are in flight are freed
+only after ``update()`` of the last of them (DESIGN rule 8: KV blocks are freed only
+after every rank has finished the step).
 
 Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
   1. RUNNING sequences with one token left (decodes), oldest first;
@@ -49,6 +57,19 @@ class ScheduledSeq:
     """Tokens computed for this sequence in this step (from seq.num_computed_tokens on)."""
     samples: bool
     """This step completes the sequence's known tokens, so its last logits are sampled."""
+    start: Optional[int] = None
+    """The sequence's ``num_computed_tokens`` before this step: its first new position
+    (None: its ``num_computed_tokens`` now, for outputs built by hand)."""
+    prev_row: int = -1
+    """When the first new token is a placeholder: the sampling row of the step in flight
+    that samples it (the runner patches it in on the device); else -1."""
+    sample_index: int = -1
+    """Where this step's sampled token goes in ``seq.token_ids`` (a placeholder until
+    ``update``); -1 when the step does not sample the sequence."""
+
+    def __post_init__(self) -> None:
+        if self.start is None:
+            self.start = self.seq.num_computed_tokens
 
 
 @dataclass
@@ -62,6 +83,9 @@ class SchedulerOutput:
     finished: List[int] = field(default_factory=list)
     """seq_ids that left the scheduler since the previous output, by any path (update,
     abort, finish, or finished here because they can never fit)."""
+    starved: bool = False
+    """A running sequence was skipped because it needed a preemption while another step
+    was in flight; the next step should be scheduled with nothing in flight."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -82,9 +106,14 @@ class _StepBuilder:
     scheduled: Dict[int, ScheduledSeq] = field(default_factory=dict)  # insertion-ordered
     preempted: List[int] = field(default_factory=list)
 
+    starved: bool = False
+
     def add(self, seq: Sequence, n: int) -> None:
-        samples = seq.num_computed_tokens + n == seq.num_tokens
-        self.scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples)
+        start = seq.num_computed_tokens
+        samples = start + n == seq.num_tokens
+        prev_row = seq.last_sample_row if seq.num_pending_tokens else -1
+        self.scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, start, prev_row)
+        seq.num_computed_tokens += n  # counted as computed from now on
         self.budget -= n
 
 
@@ -106,9 +135,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step_id = 0
         self._seqs: Dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
-        self._in_flight: Optional[SchedulerOutput] = None
-        self._in_flight_ids: set[int] = set()
-        self._deferred_free: List[Sequence] = []
+        self._in_flight: List[SchedulerOutput] = []
+        """Steps scheduled and not yet updated, oldest first (at most two)."""
+        self._deferred_free: List[Tuple[int, Sequence]] = []
+        """(last in-flight step id that uses it, sequence) to free once that step is done."""
         self._finished_ids: List[int] = []
 
     # ----- queries -------------------------------------------------------------------
@@ -175,24 +205,34 @@ class Scheduler:
         self, seq: Sequence, status: SequenceStatus, stop_reason: Optional[Union[int, str]] = None
     ) -> None:
         seq.set_finished(status, stop_reason)
+        seq.drop_pending()
         del self._seqs[seq.seq_id]
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finished_ids.append(seq.seq_id)
-        if seq.seq_id in self._in_flight_ids:
-            self._deferred_free.append(seq)  # other ranks may still be writing its blocks
+        users = [o.step_id for o in self._in_flight
+                 if any(e.seq is seq for e in o.scheduled)]
+        if users:
+            self._deferred_free.append((max(users), seq))  # ranks may still use its blocks
         else:
             self.kv_cache_manager.free(seq)
 
     # ----- schedule ------------------------------------------------------------------
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled whose ``update()`` has not run yet."""
+        return len(self._in_flight)
+
     def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
+        """The next step. With a step in flight (the overlapped loop) nothing is preempted
+        and sequences whose in-flight token is certainly their last are left out."""
+        if len(self._in_flight) >= 2:
             raise RuntimeError(
-                f"schedule() called while step {self._in_flight.step_id} is in flight; "
-                "call update() first"
+                f"schedule() called with steps {[o.step_id for o in self._in_flight]} in "
+                "flight; call update() first"
             )
         step = _StepBuilder(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
@@ -200,13 +240,23 @@ class Scheduler:
             self._schedule_waiting(step)
         finished, self._finished_ids = self._finished_ids, []
         if not step.scheduled:
-            return SchedulerOutput(self._step_id, [], step.preempted, finished)
+            return SchedulerOutput(self._step_id, [], step.preempted, finished, step.starved)
         self._step_id += 1
         scheduled = list(step.scheduled.values())
-        out = SchedulerOutput(self._step_id, scheduled, step.preempted, finished)
-        self._in_flight = out
-        self._in_flight_ids = set(step.scheduled)
+        for row, entry in enumerate(e for e in scheduled if e.samples):
+            entry.sample_index = entry.seq.append_placeholder(row)
+        out = SchedulerOutput(self._step_id, scheduled, step.preempted, finished, step.starved)
+        self._in_flight.append(out)
         return out
+
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """seq's pending placeholder is certainly its last token (max_tokens or
+        max_model_len), so no step may be scheduled past it."""
+        if not seq.num_pending_tokens:
+            return False
+        if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+            return True
+        return seq.num_tokens >= self.config.max_model_len
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -216,6 +266,8 @@ class Scheduler:
                 continue  # preempted or finished earlier in this loop
             if step.budget <= 0:
                 break
+            if self._last_token_in_flight(seq):
+                continue
             if not self._can_ever_fit(seq):
                 self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
@@ -261,8 +313,12 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, step: _StepBuilder) -> bool:
         """Preempt the newest running sequences until seq gets its blocks.
 
-        Returns False when seq itself had to be preempted.
+        Returns False when seq itself had to be preempted, or when a preemption was
+        needed while a step is in flight (then ``step.starved``).
         """
+        if self._in_flight and not self.kv_cache_manager.can_allocate(seq, n):
+            step.starved = True
+            return False
         while not self.kv_cache_manager.can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim, step)
@@ -286,16 +342,17 @@ class Scheduler:
     # ----- update --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: Dict[int, int]) -> List[Sequence]:
-        """Apply a finished step: advance, append sampled tokens, finish, free blocks.
+        """Apply the oldest step in flight: write its sampled tokens over their
+        placeholders, finish sequences that stop, free blocks no step uses any more.
 
-        Returns the sequences that finished in this update (their blocks are freed).
+        Returns the sequences that finished in this update.
         """
         if out.is_empty:
             return []
-        if self._in_flight is None or out.step_id != self._in_flight.step_id:
-            in_flight = self._in_flight.step_id if self._in_flight else None
+        oldest = self._in_flight[0].step_id if self._in_flight else None
+        if out.step_id != oldest:
             raise RuntimeError(
-                f"update() for step {out.step_id}, but the step in flight is {in_flight}"
+                f"update() for step {out.step_id}, but the oldest step in flight is {oldest}"
             )
         missing = [e.seq.seq_id for e in out.scheduled
                    if e.samples and not e.seq.is_finished() and e.seq.seq_id not in sampled]
@@ -303,41 +360,44 @@ class Scheduler:
             raise ValueError(
                 f"update() of step {out.step_id}: no sampled token for seq_ids {missing}"
             )
+        self._in_flight.pop(0)
         finished: List[Sequence] = []
         for entry in out.scheduled:
             seq = entry.seq
             if seq.is_finished():
                 continue  # aborted or finished while the step was in flight
-            seq.num_computed_tokens += entry.num_new_tokens
-            # Every rank is done with this step, so out-of-window blocks can go (rule 8).
+            # This step is done on every rank, so out-of-window blocks can go (rule 8);
+            # a later step in flight never reads them (it only looks further on).
             self.kv_cache_manager.remove_out_of_window_blocks(seq)
             if not entry.samples:
                 continue
-            seq.append_token(sampled[seq.seq_id])
-            status, stop_reason = self._check_stop(seq)
+            seq.resolve_placeholder(entry.sample_index, sampled[seq.seq_id])
+            status, stop_reason = self._check_stop(seq, entry.sample_index)
             if status is not None:
                 self._finish_seq(seq, status, stop_reason)
                 finished.append(seq)
-        self._in_flight, self._in_flight_ids = None, set()
-        for seq in self._deferred_free:
+        done = [seq for last, seq in self._deferred_free if last <= out.step_id]
+        self._deferred_free = [(last, seq) for last, seq in self._deferred_free
+                               if last > out.step_id]
+        for seq in done:
             self.kv_cache_manager.free(seq)
-        self._deferred_free = []
         return finished
 
-    def _check_stop(self, seq: Sequence) -> Tuple[Optional[SequenceStatus], Optional[int]]:
-        """Why seq stops after its newest token, if it does.
+    def _check_stop(self, seq: Sequence, index: int) -> Tuple[Optional[SequenceStatus], Optional[int]]:
+        """Why seq stops after its token at ``index`` (the newest known one), if it does.
 
         EOS and stop tokens count only once ``min_tokens`` tokens were generated before
         them (vLLM's semantics: the stop token itself is not one of the min_tokens).
         """
-        params, token = seq.params, seq.last_token_id
-        if seq.num_output_tokens - 1 >= params.min_tokens:
+        params, token = seq.params, seq.token_ids[index]
+        num_output = index + 1 - seq.num_prompt_tokens
+        if num_output - 1 >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, token
-        if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+        if seq.max_tokens is not None and num_output >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, None
-        if seq.num_tokens >= self.config.max_model_len:
+        if index + 1 >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None

@@ -9,6 +9,13 @@ There is no prefill phase and no decode phase. Each step a sequence is given
 ``num_new_tokens`` so that ``num_computed_tokens`` catches up with ``len(token_ids)``;
 chunked prefill, prefix-cache hits and recompute after preemption are just different
 numbers.
+
+Placeholders: when a step that samples a sequence is scheduled, the scheduler appends
+``PLACEHOLDER_TOKEN`` for the token it will sample, so the next step can be scheduled
+(and run on the GPU, which patches the real id in) before the host knows that token --
+the overlapped engine loop. ``update()`` writes the real id over it.
+``num_pending_tokens`` counts the placeholders at the tail; ``confirmed_*`` views leave
+them out (what the detokenizer, usage and penalties see).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ import enum
 from typing import List, Optional, Sequence as Seq, Union
 
 from cvllm.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN = -1
+"""The id of a token that is being sampled by a step in flight."""
 
 
 class SequenceStatus(enum.Enum):
@@ -95,6 +105,10 @@ class Sequence:
         """The stop token id or stop string that ended the sequence (None for EOS)."""
         self.max_tokens: Optional[int] = params.max_tokens
         """Cap on output tokens; the engine may lower it (e.g. to fit max_model_len)."""
+        self.num_pending_tokens = 0
+        """Placeholders at the tail of ``token_ids`` (steps in flight that sample it)."""
+        self.last_sample_row = -1
+        """The sampling row of this sequence in the newest step that samples it."""
 
     @property
     def block_ids(self) -> List[int]:
@@ -128,6 +142,15 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_confirmed_output_tokens(self) -> int:
+        """Output tokens whose ids are known (placeholders left out)."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending_tokens
+
+    @property
+    def confirmed_output_token_ids(self) -> List[int]:
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending_tokens]
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         """Known tokens whose KV is not in the cache yet."""
         return len(self.token_ids) - self.num_computed_tokens
@@ -140,7 +163,31 @@ class Sequence:
         return self.status.is_finished()
 
     def append_token(self, token_id: int) -> None:
+        if self.num_pending_tokens:
+            raise RuntimeError(f"{self!r}: a token appended behind a placeholder")
         self.token_ids.append(int(token_id))
+
+    def append_placeholder(self, sample_row: int) -> int:
+        """Stand-in for the token a step samples at ``sample_row``; returns its index."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_pending_tokens += 1
+        self.last_sample_row = sample_row
+        return len(self.token_ids) - 1
+
+    def resolve_placeholder(self, index: int, token_id: int) -> None:
+        """The step that samples ``token_ids[index]`` is done: write its id."""
+        if self.token_ids[index] != PLACEHOLDER_TOKEN or self.num_pending_tokens < 1:
+            raise RuntimeError(f"{self!r}: no placeholder at {index}")
+        if index != len(self.token_ids) - self.num_pending_tokens:
+            raise RuntimeError(f"{self!r}: placeholders resolved out of order at {index}")
+        self.token_ids[index] = int(token_id)
+        self.num_pending_tokens -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders (the sequence finished before they were sampled)."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
     def set_finished(
         self, status: SequenceStatus, stop_reason: Optional[Union[int, str]] = None

@@ -27,7 +27,12 @@ group, entries of blocks freed because they lie wholly before the first query's 
 are ``PLACEHOLDER_BLOCK`` (-1). ``state_slots[b]`` is sequence b's linear-attention state
 slot (-1 when the model has no state layers).
 
-Version 2 added kv_group_windows, group_slot_mapping, group_block_tables, state_slots.
+Overlapped loop: ``prev_rows[t]`` >= 0 says token t's id is not known on the host yet
+(``input_ids[t]`` holds -1): it is the id sampled at that row of the previous step, which
+the runner patches in on the device (``core/sequence.py`` placeholders).
+
+Version 2 added kv_group_windows, group_slot_mapping, group_block_tables, state_slots;
+version 3 added prev_rows.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from cvllm.core.block_manager import PLACEHOLDER_BLOCK
 from cvllm.core.scheduler import SchedulerOutput
 
 MAGIC = b"CVLS"
-VERSION = 2
+VERSION = 3
 DEFAULT_MAX_BODY_BYTES = 1 << 30
 MAX_KV_GROUPS = 64
 
@@ -95,6 +100,7 @@ _FIELDS = {
     20: ("group_slot_mapping", _I64, ("G-1", "T")),
     21: ("group_block_tables", _I32, ("G-1", "B", "M")),
     22: ("state_slots", _I32, ("B",)),
+    23: ("prev_rows", _I32, ("T",)),
 }
 _FIELD_IDS = {name: fid for fid, (name, _, _) in _FIELDS.items()}
 SAMPLING_FIELDS = (
@@ -212,6 +218,7 @@ class StepInput:
     group_slot_mapping: np.ndarray  # [G-1, T] int64, slot_mapping of groups 1..G-1
     group_block_tables: np.ndarray  # [G-1, B, M'] int32, block_tables of groups 1..G-1
     state_slots: np.ndarray  # [B] int32, linear-attention state slot, -1 = none
+    prev_rows: np.ndarray  # [T] int32, previous step's sampling row giving the id, -1 = none
 
     # ----- shape helpers ---------------------------------------------------------------
 
@@ -347,6 +354,11 @@ class StepInput:
         if not np.array_equal(self.positions, starts + offsets):
             raise StepInputError("positions do not match query_start_loc and seq_lens")
         self._validate_groups()
+        patched = self.prev_rows >= 0
+        if (self.prev_rows < -1).any() or not np.array_equal(patched, self.input_ids == -1):
+            raise StepInputError("input_ids must be -1 exactly where prev_rows names a row")
+        if (self.input_ids < -1).any():
+            raise StepInputError("input_ids must be non-negative token ids")
         live = self.state_slots[self.state_slots >= 0]
         if (self.state_slots < -1).any() or np.unique(live).size != live.size:
             raise StepInputError("state_slots must be distinct slot ids, or -1 for none")
@@ -492,7 +504,7 @@ def build_step_input(
     if B == 0:
         return StepInput.empty(out.step_id, group_windows)
     query_lens = np.fromiter((e.num_new_tokens for e in entries), np.int64, B)  # [B]
-    computed = np.fromiter((e.seq.num_computed_tokens for e in entries), np.int64, B)  # [B]
+    computed = np.fromiter((e.start for e in entries), np.int64, B)  # [B]
     seq_lens = computed + query_lens  # [B]
     query_start_loc = np.zeros(B + 1, np.int64)  # [B+1]
     np.cumsum(query_lens, out=query_start_loc[1:])
@@ -500,8 +512,7 @@ def build_step_input(
 
     input_ids = np.fromiter(
         itertools.chain.from_iterable(
-            e.seq.token_ids[e.seq.num_computed_tokens:e.seq.num_computed_tokens + e.num_new_tokens]
-            for e in entries
+            e.seq.token_ids[e.start:e.start + e.num_new_tokens] for e in entries
         ),
         _I32,
         T,
@@ -517,7 +528,6 @@ def build_step_input(
         group_block_tables[g, :, :t.shape[1]] = t
 
     rows = [i for i, e in enumerate(entries) if e.samples]
-    sampled = [entries[i].seq for i in rows]
     rows_arr = np.asarray(rows, _I32)  # [S]
     return StepInput(
         step_id=out.step_id,
@@ -534,7 +544,8 @@ def build_step_input(
         else np.zeros((0, T), _I64),
         group_block_tables=group_block_tables,
         state_slots=np.fromiter((e.seq.state_slot for e in entries), _I32, B),
-        **_sampling_arrays(sampled),
+        prev_rows=_prev_rows(entries, query_start_loc, T),
+        **_sampling_arrays([entries[i] for i in rows]),
     )
 
 
@@ -559,9 +570,20 @@ def _windows_array(windows: Sequence[Optional[int]]) -> np.ndarray:
     return np.asarray([int(w or 0) for w in windows], _I32)  # [G]
 
 
-def _sampling_arrays(seqs) -> Dict[str, np.ndarray]:
+def _prev_rows(entries, query_start_loc: np.ndarray, T: int) -> np.ndarray:
+    """[T] int32: a placeholder is only ever the single new token of a decode."""
+    prev = np.full(T, -1, _I32)
+    for i, e in enumerate(entries):
+        if e.prev_row >= 0:
+            if e.num_new_tokens != 1:
+                raise ValueError(f"{e.seq!r}: a placeholder input in a {e.num_new_tokens}-token step")
+            prev[query_start_loc[i]] = e.prev_row
+    return prev
+
+
+def _sampling_arrays(entries) -> Dict[str, np.ndarray]:
     """Per-sampling-row values from each sequence's SamplingParams."""
-    params = [s.params for s in seqs]
+    params = [e.seq.params for e in entries]
     return {
         "temperature": np.asarray([p.temperature for p in params], _F32),
         "top_p": np.asarray([p.top_p for p in params], _F32),
@@ -572,5 +594,7 @@ def _sampling_arrays(seqs) -> Dict[str, np.ndarray]:
         "repetition_penalty": np.asarray([p.repetition_penalty for p in params], _F32),
         "has_seed": np.asarray([p.seed is not None for p in params], _I32),
         "seeds": np.asarray([p.seed or 0 for p in params], _I64),
-        "output_index": np.asarray([s.num_output_tokens for s in seqs], _I32),
+        # the sampled token lands right after the step's last input token
+        "output_index": np.asarray([e.start + e.num_new_tokens - e.seq.num_prompt_tokens
+                                    for e in entries], _I32),
     }

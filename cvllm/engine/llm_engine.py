@@ -5,14 +5,16 @@ by whichever thread drives ``step()`` (the ``AsyncEngine`` loop thread when serv
 owns the scheduler, the per-request detokenizers and the metrics; the ``ModelRunner`` it
 drives owns the model and the KV cache.
 
-A step is synchronous: schedule, build the ``StepInput``, ``runner.execute`` (which
-launches the H2D copies, the forward -- a CUDA graph replay for a padded decode step --
-and the sampler without a host sync, then waits on the step's single device-to-host copy
-of the sampled ids, ``worker/output_copy.py``), update the scheduler, detokenize. The CPU
-does not yet build step N+1 while the GPU runs step N: that needs optimistic scheduling
-in ``core/scheduler.py`` (placeholder tokens patched on the GPU from step N's sampled
-ids, deferred frees of sequences that finish at N); ``docs/adr/overlapped-engine-loop.md``
-has the design and what is missing.
+The loop is overlapped (``docs/adr/overlapped-engine-loop.md``): ``step()`` launches step
+N+1 -- schedule, build the ``StepInput``, ``runner.launch`` (H2D copies, the forward, a
+CUDA graph replay for a padded decode step, the sampler and the one device-to-host copy,
+all without a host sync) -- while step N still runs on the device, and only then waits
+for N's sampled ids, updates the scheduler and detokenizes N. Step N+1's inputs that
+are N's tokens are placeholders the runner fills in on the device. The loop falls back to
+one step at a time when the runner has no ``launch``, when ``overlap`` is off, when a row
+of N uses repetition / presence / frequency penalties (their counts need N's token on the
+host), or when the scheduler could not give every sequence its blocks without a
+preemption (``SchedulerOutput.starved``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass
+class _InFlight:
+    """A launched step: its schedule, its sampling rows' sequences, the runner's handle."""
+
+    out: SchedulerOutput
+    sampling_seqs: List[Sequence]
+    handle: object  # has .result() -> StepResult | None
+
+
+@dataclass
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
@@ -62,7 +73,7 @@ class LLMEngine:
     sampled ids (and logprobs) for the step's sampling rows, plus ``kv_layout`` (a
     ``KVCacheLayout``) or, for one full-attention group, just ``num_blocks``."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, runner):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, runner, overlap: bool = True):
         self.config = config
         self.tokenizer = tokenizer
         self.runner = runner
@@ -83,6 +94,9 @@ class LLMEngine:
         self.eos_token_ids = list(config.model.eos_token_ids)
         self.stats = Counter()
         self.finished_by_reason: Counter = Counter()
+        self.overlap = overlap and hasattr(runner, "launch")
+        """Launch step N+1 before waiting for step N (needs ``runner.launch``)."""
+        self._in_flight: Optional[_InFlight] = None
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams) -> None:
@@ -117,25 +131,51 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---------------------------------------------------------------- step
     def step(self) -> List[RequestOutput]:
+        """Advance by one step: the outputs of the step that completed (and of sequences
+        the scheduler ended). In the overlapped loop the next step is already running."""
+        outputs: List[RequestOutput] = []
+        if self._in_flight is None:
+            self._in_flight = self._launch_next(outputs)
+            if self._in_flight is None:
+                return outputs
+        current, self._in_flight = self._in_flight, None
+        if self._can_overlap(current):
+            self._in_flight = self._launch_next(outputs)
+        return outputs + self._complete(current)
+
+    def _launch_next(self, outputs: List[RequestOutput]) -> Optional[_InFlight]:
         out = self.scheduler.schedule()
         # The scheduler may end a sequence that can never fit (reason 'length').
-        outputs = self._scheduler_finished(out.finished)
+        outputs.extend(self._scheduler_finished(out.finished))
         if not out.scheduled:
-            return outputs
+            return None
         step = build_step_input(out, self.block_size, self.kv_layout.windows)
         sampling_seqs = [s.seq for s in out.scheduled if s.samples]
-        result = self.runner.execute(step, sampling_seqs)
+        if self.overlap:
+            handle = self.runner.launch(step, sampling_seqs)
+        else:
+            handle = _Done(self.runner.execute(step, sampling_seqs))
+        return _InFlight(out, sampling_seqs, handle)
+
+    def _can_overlap(self, current: _InFlight) -> bool:
+        if not self.overlap or current.out.starved:
+            return False
+        return not any(_penalized(seq.params) for seq in current.sampling_seqs)
+
+    def _complete(self, current: _InFlight) -> List[RequestOutput]:
+        """Wait for a launched step's ids, apply them, detokenize."""
+        result = current.handle.result()
         # A step of prefill chunks only samples nothing; the runner then returns None.
         tokens = result.token_ids if result is not None else []
-        sampled = {seq.seq_id: int(tok) for seq, tok in zip(sampling_seqs, tokens)}
-        self.scheduler.update(out, sampled)
+        sampled = {seq.seq_id: int(tok) for seq, tok in zip(current.sampling_seqs, tokens)}
+        self.scheduler.update(current.out, sampled)
         self.stats["steps"] += 1
         self.stats["generation_tokens"] += len(sampled)
-        return outputs + self._make_outputs(out, sampling_seqs, result)
+        return self._make_outputs(current.out, current.sampling_seqs, result)
 
     def _scheduler_finished(self, seq_ids: List[int]) -> List[RequestOutput]:
         outputs = []
@@ -158,8 +198,8 @@ class LLMEngine:
 
     def _advance_request(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        new_ids = seq.output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_tokens = seq.num_output_tokens
+        new_ids = seq.confirmed_output_token_ids[req.num_emitted_tokens:]
+        req.num_emitted_tokens = seq.num_confirmed_output_tokens
         text_ids = new_ids
         if seq.is_finished() and isinstance(seq.stop_reason, int):
             text_ids = new_ids[:-1]  # EOS / stop token: counted in usage, never shown as text
@@ -174,7 +214,7 @@ class LLMEngine:
         logprobs, req.pending_logprobs = req.pending_logprobs, []
         return RequestOutput(
             request_id=seq.request_id, delta_text=delta, delta_token_ids=list(new_ids),
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_confirmed_output_tokens,
             finished=seq.is_finished(), finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=logprobs,
         )
@@ -206,3 +246,19 @@ class LLMEngine:
             steps_total=self.stats["steps"],
             requests_finished=dict(self.finished_by_reason),
         )
+
+
+class _Done:
+    """A step run synchronously (``runner.execute``), with the ``launch`` handle's API."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
+
+
+def _penalized(params: SamplingParams) -> bool:
+    """Penalties count the previous token, which an overlapped step does not know yet."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)

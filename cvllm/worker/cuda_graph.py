@@ -103,15 +103,16 @@ class DecodeBuffers:
         self.max_bs, self.max_blocks, self.num_groups = max_bs, max_blocks, num_groups
         self.device = device
         cuda = device.type == "cuda"
-        n64, n32 = (2 + num_groups) * max_bs, max_bs * (1 + num_groups * max_blocks)
+        n64, n32 = (3 + num_groups) * max_bs, max_bs * (1 + num_groups * max_blocks)
         self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=cuda)
         self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=cuda)
         self._host64[2 * max_bs:] = PAD_SLOT_ID  # until staged, every row is padding
-        self._i64 = self._host64.to(device)  # [(2 + G) * max_bs]: ids | positions | slots per group
+        self._i64 = self._host64.to(device)  # [(3 + G) * max_bs]: ids | positions | prev_rows | slots per group
         self._i32 = self._host32.to(device)  # [max_bs + G*bs*m]: seq_lens | compact tables
         self.input_ids = self._i64[:max_bs]  # [max_bs]
         self.positions = self._i64[max_bs:2 * max_bs]  # [max_bs]
-        self.slot_mapping = [self._i64[(2 + g) * max_bs:(3 + g) * max_bs]
+        self.prev_rows = self._i64[2 * max_bs:3 * max_bs]  # [max_bs], -1: the id is staged
+        self.slot_mapping = [self._i64[(3 + g) * max_bs:(4 + g) * max_bs]
                              for g in range(num_groups)]  # G x [max_bs]
         self.seq_lens = self._i32[:max_bs]  # [max_bs]
         self.block_tables = [torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
@@ -137,10 +138,11 @@ class DecodeBuffers:
         h64, h32 = self._host64.numpy(), self._host32.numpy()
         _fill(h64[:bs], step.input_ids, 0)
         _fill(h64[mb:mb + bs], step.positions, 0)
+        _fill(h64[2 * mb:2 * mb + bs], step.prev_rows, -1)
         _fill(h32[:bs], step.seq_lens, 0)
         for g in range(self.num_groups):
             _, slots, tables = step.kv_group(g)
-            _fill(h64[(2 + g) * mb:(2 + g) * mb + bs], slots, PAD_SLOT_ID)
+            _fill(h64[(3 + g) * mb:(3 + g) * mb + bs], slots, PAD_SLOT_ID)
             view = h32[mb + g * bs * m:mb + (g + 1) * bs * m].reshape(bs, m)  # [bs, m]
             np.maximum(tables, 0, out=view[:B])  # freed sliding blocks (-1) read block 0
             view[B:] = 0
@@ -177,7 +179,7 @@ class CudaGraphRunner:
         self._metadata: Dict[int, AttentionMetadata] = {}
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
-        """Each graph's hidden states ``[bs, hidden]``, rewritten by every replay."""
+        """Each graph's logits ``[bs, V]``, rewritten by every replay."""
 
     def padded_size(self, step: StepInput) -> Optional[int]:
         """The size this step runs at here, or None for the eager path."""
@@ -212,13 +214,25 @@ class CudaGraphRunner:
         return meta
 
     def _forward(self, bs: int) -> torch.Tensor:
+        """Logits ``[bs, V]`` float32: every row of a decode step samples, so the LM head
+        (and its TP all-gather) runs inside the graph too."""
         b = self.buffers
-        return self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(bs), self.kv_caches)
+        hidden = self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(bs), self.kv_caches)
+        return self.model.compute_logits(hidden)  # [bs, V]
 
-    def run(self, step: StepInput, bs: int) -> torch.Tensor:
-        """Hidden states ``[bs, hidden]`` of the step padded to ``bs``; rows past the
-        step's B are padding. A graph's output is rewritten by its next replay."""
+    def run(self, step: StepInput, bs: int, prev_sampled: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+        """Logits ``[bs, V]`` (float32) of the step padded to ``bs``; rows past the
+        step's B are padding. A graph's output is rewritten by its next replay.
+        ``prev_sampled``: the previous step's sampled ids, patched over the placeholder
+        rows (``step.prev_rows``) on the device, outside the graph."""
         self.buffers.load(step, bs)
+        if prev_sampled is not None:
+            from cvllm.worker.model_runner import patch_placeholders
+
+            b = self.buffers
+            b.input_ids[:bs].copy_(patch_placeholders(b.input_ids[:bs], b.prev_rows[:bs],
+                                                      prev_sampled))
         graph = self.graphs.get(bs)
         if graph is None:
             return self._forward(bs)

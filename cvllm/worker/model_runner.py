@@ -39,14 +39,15 @@ from cvllm.attention.metadata import AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
 from cvllm.config import EngineConfig
 from cvllm.core.kv_cache_manager import KVCacheLayout
+from cvllm.distributed import parallel_state
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.registry import get_model_class
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graph_unsafe_reason
-from cvllm.worker.output_copy import OutputCopy, StepResult
+from cvllm.worker.output_copy import OutputCopy, PendingOutput, StepResult
 
-__all__ = ["ModelRunner", "StepResult", "model_cache_specs"]
+__all__ = ["ModelRunner", "PendingStep", "StepResult", "model_cache_specs", "patch_placeholders"]
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -93,6 +94,8 @@ class ModelRunner:
         reset_kv_scales(self.kv_caches)  # FP8: the first real prefill calibrates, not warm-up
         self.sampler = Sampler()
         self.output_copy = OutputCopy(self.device)
+        self._prev_sampled: Optional[torch.Tensor] = None
+        """The last launched step's sampled ids ([S] int64, device), for placeholders."""
 
     # ---------------------------------------------------------------- set-up
     def _load_model(self, source) -> torch.nn.Module:
@@ -143,6 +146,12 @@ class ModelRunner:
 
             avail = psutil.virtual_memory().available
             budget = min(int(avail * cache.gpu_memory_fraction), _CPU_KV_CAP_BYTES)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            from cvllm.distributed import comm
+
+            # Every rank must hold the same blocks (rank 0's scheduler hands out block ids
+            # for all): all take the smallest budget. Cache specs match on every rank.
+            budget = comm.agree_min(int(budget))
         return plan_kv_cache(self.cache_specs, sizing, budget_bytes=budget)
 
     def _init_cuda_graphs(self, unsafe: Optional[str]) -> Optional[CudaGraphRunner]:
@@ -170,24 +179,56 @@ class ModelRunner:
         return graphs
 
     # ---------------------------------------------------------------- step
-    @torch.inference_mode()
     def execute(self, step: StepInput, seqs: Optional[Sequence] = None) -> Optional[StepResult]:
-        """Run one step. ``seqs`` (rank 0 only) are the sampling rows' sequences, whose
-        token histories feed the penalties; other ranks pass None and get None."""
+        """Run one step and wait for its sampled ids. ``seqs`` (rank 0 only) are the
+        sampling rows' sequences, whose token histories feed the penalties; other ranks
+        pass None and get None."""
+        return self.launch(step, seqs).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput, seqs: Optional[Sequence] = None) -> "PendingStep":
+        """Launch one step with no host sync; ``.result()`` waits for its sampled ids.
+        Placeholder input ids (``step.prev_rows``) take the ids the previous launched
+        step sampled, on the device, so the host may launch step N+1 before it has
+        seen N's tokens (the overlapped engine loop)."""
         self._check_step(step)
+        prev = None
+        if (step.prev_rows >= 0).any():
+            prev = self._prev_sampled
+            if prev is None or int(step.prev_rows.max()) >= prev.shape[0]:
+                raise StepInputError(f"step {step.step_id} patches ids the previous step "
+                                     "did not sample")
         bs = self.graphs.padded_size(step) if self.graphs is not None else None
-        if bs is not None:
-            hidden = self.graphs.run(step, bs)  # [bs, hidden]: rows past B are padding
+        S = len(step.logits_indices)
+        if bs is not None:  # every row samples; the LM head ran in the graph
+            logits = self.graphs.run(step, bs, prev)[:S]  # [S, V] float32
         else:
-            hidden = self._forward_eager(step)  # [T, hidden]
-        if seqs is None or len(step.logits_indices) == 0:
-            return None
-        logits = self.model.compute_logits(self._sampling_rows(hidden, step))  # [S, V] float32
+            hidden = self._forward_eager(step, prev)  # [T, hidden]
+        self._prev_sampled = None
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if S == 0 or (seqs is None and tp_size == 1):
+            return PendingStep(None)
+        if bs is None:  # every rank runs the LM head: its vocabulary shards meet in an all-gather
+            logits = self.model.compute_logits(self._sampling_rows(hidden, step))  # [S, V] float32
+        if seqs is None:  # ranks != 0: only rank 0 samples; its ids come by broadcast
+            self._prev_sampled = self._receive_sampled(len(step.logits_indices))
+            return PendingStep(None)
         return self._sample(logits, step, seqs)
 
-    def _forward_eager(self, step: StepInput) -> torch.Tensor:
+    def _receive_sampled(self, S: int) -> torch.Tensor:
+        """Rank 0's sampled ids of this step ([S] int64, device), for the next step's
+        placeholders (tensor parallelism only)."""
+        from cvllm.distributed import comm
+
+        ids = torch.empty(S, dtype=torch.int64, device=self.device)
+        return comm.tensor_model_parallel_broadcast(ids, src=0)
+
+    def _forward_eager(self, step: StepInput, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(dev)  # [T]
+        if prev is not None:
+            prev_rows = torch.from_numpy(step.prev_rows.astype(np.int64)).to(dev)  # [T]
+            input_ids = patch_placeholders(input_ids, prev_rows, prev)
         positions = torch.from_numpy(step.positions.astype(np.int64)).to(dev)  # [T]
         meta = self._build_metadata(step)
         self._reset_fresh_state_slots(meta)
@@ -249,11 +290,37 @@ class ModelRunner:
             seeds=[int(s) if h else None for s, h in zip(step.seeds.tolist(), step.has_seed.tolist())],
             output_index=step.output_index.tolist(),
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
+            # known ids only: this step's own placeholder (and, in the overlapped loop,
+            # the previous step's) are not history yet
+            output_token_ids=[s.confirmed_output_token_ids for s in seqs],
             vocab_size=logits.shape[-1], device=self.device,
         )
         out = self.sampler(logits, tensors, num_logprobs=num_logprobs)
-        return self.output_copy.fetch(out, with_logprobs=bool(want), num_top=num_logprobs)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            from cvllm.distributed import comm  # every rank patches the next placeholders
+
+            comm.tensor_model_parallel_broadcast(out.sampled, src=0)
+        self._prev_sampled = out.sampled.reshape(-1)  # [S] int64
+        return PendingStep(self.output_copy.start(out, with_logprobs=bool(want), num_top=num_logprobs))
+
+
+class PendingStep:
+    """A launched step; ``result()`` waits for its sampled ids (None: nothing sampled
+    here -- a step of prefill chunks only, or a rank other than 0)."""
+
+    def __init__(self, output: Optional[PendingOutput]):
+        self._output = output
+
+    def result(self) -> Optional[StepResult]:
+        return self._output.wait() if self._output is not None else None
+
+
+def patch_placeholders(input_ids: torch.Tensor, prev_rows: torch.Tensor,
+                       prev_sampled: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with each placeholder (``prev_rows >= 0``) replaced, on the device,
+    by the id the previous step sampled at that row. All ``[T]`` int64."""
+    taken = prev_sampled[prev_rows.clamp(min=0)]  # [T]
+    return torch.where(prev_rows >= 0, taken, input_ids)
 
 
 def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype
@@ -278,7 +345,8 @@ def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch
             for a in attns
         ]
     from cvllm.distributed import parallel_state
+    from cvllm.layers.linear import kv_head_assignment
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    kv_heads = max(1, config.model.num_kv_heads // tp)
+    kv_heads = len(kv_head_assignment(config.model.num_heads, config.model.num_kv_heads, tp, 0))
     return [FullAttentionSpec(kv_heads, config.model.head_dim, dtype)] * num_layers

@@ -12,7 +12,7 @@ the host can prepare work while the GPU runs. On the CPU it is a plain copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -30,44 +30,71 @@ class StepResult:
     top_logprobs: Optional[np.ndarray] = None  # [S, k]
 
 
+class PendingOutput:
+    """A step's sampled ids (and logprobs) on their way to the host: ``wait()`` blocks
+    on the copy's event -- the only host sync of a step on the device -- and unpacks."""
+
+    def __init__(self, host: Optional[torch.Tensor], event, device_tensor: Optional[torch.Tensor],
+                 S: int, with_logprobs: bool, top: int):
+        self._host, self._event, self._dev = host, event, device_tensor
+        self._S, self._with_logprobs, self._top = S, with_logprobs, top
+
+    def wait(self) -> StepResult:
+        if self._event is not None:
+            self._event.synchronize()
+            arr = self._host.numpy()
+        else:
+            arr = self._dev.cpu().numpy()
+        if not self._with_logprobs:
+            return StepResult(token_ids=arr[:, 0].copy())
+        top = self._top
+        res = StepResult(token_ids=arr[:, 0].astype(np.int64), logprobs=arr[:, 1].astype(np.float32))
+        if top:
+            res.top_ids = arr[:, 2:2 + top].astype(np.int64)
+            res.top_logprobs = arr[:, 2 + top:].astype(np.float32)
+        return res
+
+
 class OutputCopy:
+    """Two pinned host buffers used in turn, so the copy of step N+1 (overlapped loop)
+    never overwrites step N's ids before they are read."""
+
+    NUM_BUFFERS = 2
+
     def __init__(self, device: torch.device):
         self.device = device
         self._pinned = device.type == "cuda"
-        self._host: Optional[torch.Tensor] = None  # flat pinned buffer, grown on demand
-        self._event = torch.cuda.Event() if self._pinned else None
+        self._hosts: List[Optional[torch.Tensor]] = [None] * self.NUM_BUFFERS
+        self._events = [torch.cuda.Event() if self._pinned else None for _ in self._hosts]
+        self._next = 0
         self.num_copies = 0
         """Device-to-host copies made so far (tests check there is one per step)."""
 
     def fetch(self, out: SamplerOutput, with_logprobs: bool, num_top: int) -> StepResult:
-        """``out``'s rows on the host; logprobs when ``with_logprobs``, plus ``num_top``
-        top entries per row when the sampler made them."""
+        """``start`` then ``wait``: the step's rows on the host."""
+        return self.start(out, with_logprobs, num_top).wait()
+
+    def start(self, out: SamplerOutput, with_logprobs: bool, num_top: int) -> PendingOutput:
+        """Launch the one copy of ``out``'s rows (logprobs when ``with_logprobs``, plus
+        ``num_top`` top entries per row when the sampler made them); no host sync."""
         S = int(out.sampled.shape[0])
         top = num_top if with_logprobs and num_top > 0 and out.top_logprob_ids is not None else 0
         if not with_logprobs:
-            return StepResult(token_ids=self._to_host(out.sampled.reshape(S, 1))[:, 0].copy())
-        cols = [out.sampled.reshape(S, 1), out.logprobs.reshape(S, 1)]
-        if top:
-            cols += [out.top_logprob_ids, out.top_logprob_values]
-        packed = self._to_host(torch.cat([c.to(torch.float64) for c in cols], dim=1))  # [S, 2+2k]
-        res = StepResult(token_ids=packed[:, 0].astype(np.int64),
-                         logprobs=packed[:, 1].astype(np.float32))
-        if top:
-            res.top_ids = packed[:, 2:2 + top].astype(np.int64)
-            res.top_logprobs = packed[:, 2 + top:].astype(np.float32)
-        return res
-
-    def _to_host(self, t: torch.Tensor) -> np.ndarray:
-        """One copy of ``t`` (2-D, int64 or float64) to the host; the returned array is a
-        view of the reused host buffer, valid until the next call."""
+            packed = out.sampled.reshape(S, 1)  # [S, 1] int64
+        else:
+            cols = [out.sampled.reshape(S, 1), out.logprobs.reshape(S, 1)]
+            if top:
+                cols += [out.top_logprob_ids, out.top_logprob_values]
+            packed = torch.cat([c.to(torch.float64) for c in cols], dim=1)  # [S, 2+2k]
         self.num_copies += 1
         if not self._pinned:
-            return t.cpu().numpy()
-        nbytes = t.numel() * t.element_size()
-        if self._host is None or self._host.numel() < nbytes:
-            self._host = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
-        host = self._host[:nbytes].view(t.dtype).view(t.shape)
-        host.copy_(t.contiguous(), non_blocking=True)
-        self._event.record()
-        self._event.synchronize()
-        return host.numpy()
+            return PendingOutput(None, None, packed, S, with_logprobs, top)
+        i, self._next = self._next, (self._next + 1) % self.NUM_BUFFERS
+        nbytes = packed.numel() * packed.element_size()
+        if self._hosts[i] is None or self._hosts[i].numel() < nbytes:
+            self._events[i].synchronize()  # a copy into the old buffer may still run
+            self._hosts[i] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        host = self._hosts[i][:nbytes].view(packed.dtype).view(packed.shape)
+        host.copy_(packed.contiguous(), non_blocking=True)
+        self._events[i].record()
+        return PendingOutput(host, self._events[i], None, S, with_logprobs, top)

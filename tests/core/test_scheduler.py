@@ -24,7 +24,7 @@ def make_seq(seq_id, prompt_len, **params):
 
 def default_token(seq):
     # Depends only on the sequence and how far it got, so preemption cannot change it.
-    return 1000 + seq.seq_id * 100 + seq.num_output_tokens
+    return 1000 + seq.seq_id * 100 + seq.num_confirmed_output_tokens
 
 
 def check_invariants(sched, out):
@@ -37,9 +37,15 @@ def check_invariants(sched, out):
     assert len(owned) + bm.num_free_blocks == bm.num_total_blocks
     for e in out.scheduled:
         s = e.seq
-        assert 1 <= e.num_new_tokens <= s.num_uncomputed_tokens
-        assert len(s.block_ids) * bm.block_size >= s.num_computed_tokens + e.num_new_tokens
-        assert e.samples == (s.num_computed_tokens + e.num_new_tokens == s.num_tokens)
+        # schedule() counts the step's tokens as computed at once; a sampled row gets a
+        # placeholder right after them
+        assert 1 <= e.num_new_tokens and s.num_computed_tokens == e.start + e.num_new_tokens
+        assert len(s.block_ids) * bm.block_size >= e.start + e.num_new_tokens
+        if e.samples:
+            assert e.sample_index == e.start + e.num_new_tokens == s.num_tokens - 1
+            assert s.token_ids[e.sample_index] == -1 and s.num_pending_tokens == 1
+        else:
+            assert e.start + e.num_new_tokens < s.num_tokens and s.num_pending_tokens == 0
 
 
 def step(sched, token_fn=default_token):
@@ -225,7 +231,7 @@ def test_lone_sequence_larger_than_cache_finishes_length():
 
 
 def _scripted(tokens):
-    return lambda seq: tokens[seq.num_output_tokens]
+    return lambda seq: tokens[seq.num_confirmed_output_tokens]
 
 
 def test_finish_on_eos():
@@ -346,8 +352,12 @@ def test_step_protocol_errors():
     sched = make_scheduler()
     sched.add(make_seq(0, 4))
     out = sched.schedule()
+    nxt = sched.schedule()  # one more may be scheduled while a step is in flight (overlap)
+    assert nxt.scheduled[0].prev_row == 0
     with pytest.raises(RuntimeError, match="in flight"):
         sched.schedule()
+    with pytest.raises(RuntimeError, match="oldest step in flight"):
+        sched.update(nxt, {0: 6})
     with pytest.raises(ValueError, match="no sampled token"):
         sched.update(out, {})
     bad = type(out)(out.step_id + 1, out.scheduled)

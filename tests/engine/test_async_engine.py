@@ -30,7 +30,8 @@ class CountingRunner:
             raise RuntimeError("simulated device failure")
         if not seqs:
             return None
-        return StepResult(token_ids=np.array([s.token_ids[-1] + 1 for s in seqs]))
+        # the last input token of each sampling row (its placeholder is not known yet)
+        return StepResult(token_ids=np.array([s.token_ids[-2] + 1 for s in seqs]))
 
 
 @pytest.fixture(scope="module")

@@ -248,8 +248,8 @@ def _with_padding(runner, sizes=(1, 2, 4)):
         windows=runner.kv_layout.windows, device=CPU, capture=False)
     calls = []
     original = runner.graphs.run
-    runner.graphs.run = lambda step, bs: calls.append((int(step.seq_lens.shape[0]), bs)) or \
-        original(step, bs)
+    runner.graphs.run = lambda step, bs, prev=None: calls.append(
+        (int(step.seq_lens.shape[0]), bs)) or original(step, bs, prev)
     return calls
 
 

@@ -169,9 +169,9 @@ def test_engine_makes_one_copy_per_sampling_step(tmp_path):
     llm = LLM(weight_path=str(write_tiny_llama(tmp_path)), cpu=True, max_num_seqs=4,
               kvcache_mem_mb=8, prefill_chunk_size=8, max_model_len=128)
     runner = llm.engine.runner
-    sampled_steps, execute = [], runner.execute
-    runner.execute = lambda step, seqs=None: (lambda r: sampled_steps.append(r is not None) or r)(
-        execute(step, seqs))
+    sampled_steps, launch = [], runner.launch
+    runner.launch = lambda step, seqs=None: (
+        lambda p: sampled_steps.append(p._output is not None) or p)(launch(step, seqs))
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, logprobs=2)]
     res = llm.generate([list(range(3, 15)), [9, 10, 11]], params)
