@@ -374,3 +374,40 @@ def test_step_id_increments_only_with_work():
     ids = [o.step_id for o in run_all(sched)[0]]
     assert ids == [1, 2]
     assert sched.schedule().step_id == 2
+
+
+def test_overlapped_schedule_placeholders_deferred_free_and_starvation():
+    # Two sequences decode; step N+1 is scheduled before N's tokens are known.
+    sched = make_scheduler(num_blocks=4, block_size=4, chunk=16)
+    a, b = make_seq(0, 3, max_tokens=8), make_seq(1, 3, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    n1 = sched.schedule()
+    n2 = sched.schedule()  # overlapped: both decode their placeholder
+    assert [e.prev_row for e in n2.scheduled] == [0, 1]
+    assert a.token_ids[-2:] == [-1, -1] and a.num_pending_tokens == 2
+    # b's max_tokens=2: its step-N+1 token is its last, so N+2 must not schedule it
+    sched.update(n1, {0: 50, 1: 60})
+    assert a.token_ids[-2:] == [50, -1] and a.confirmed_output_token_ids == [50]
+    n3 = sched.schedule()
+    assert [e.seq for e in n3.scheduled] == [a]
+    # abort a while two steps use it: its blocks come back after the last of them
+    sched.abort("req-0")
+    assert a.num_pending_tokens == 0 and a.token_ids[-1] == 50
+    sched.update(n2, {0: 51, 1: 61})
+    assert b.is_finished() and b.output_token_ids == [60, 61] and b.finish_reason == "length"
+    bm = sched.block_manager  # b is free now; aborted a waits for step N+2 (still in flight)
+    assert len(a.block_ids) > 0 and bm.num_free_blocks == bm.num_total_blocks - len(a.block_ids)
+    sched.update(n3, {0: 52})
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    # a full cache with a step in flight: no preemption, the output says starved
+    sched = make_scheduler(num_blocks=2, block_size=4, chunk=16)
+    c, d = make_seq(2, 4, max_tokens=8), make_seq(3, 4, max_tokens=8)
+    sched.add(c)
+    sched.add(d)
+    first = sched.schedule()
+    nxt = sched.schedule()  # both need a second block; none is free
+    assert nxt.starved and not nxt.scheduled and sched.num_preemptions_total == 0
+    sched.update(first, {2: 7, 3: 8})
+    again = sched.schedule()  # nothing in flight: now it preempts
+    assert sched.num_preemptions_total == 1 and not again.starved
