@@ -34,7 +34,8 @@ def _model_options(f: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(["bf16", "f16", "f32"]), default=None,
                      help="Compute dtype (default: bf16 on GPU, f32 on CPU)."),
         click.option("--d", "--device-ids", "device_ids", default="0",
-                     help="Comma-separated GPU ids."),
+                     help="Comma-separated GPU ids; several ids run tensor parallel, one "
+                          "process per id (with --cpu: that many CPU ranks)."),
         click.option("--cpu", is_flag=True, help="Run on the CPU."),
         click.option("--mem", "--kvcache-mem-gpu", "kvcache_mem", type=int, default=None,
                      help="KV cache size in MB."),
@@ -63,8 +64,25 @@ def _model_options(f: Callable) -> Callable:
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
                      show_default=True, help="dummy: random weights from config.json alone."),
-        click.option("--log", "log_file", default=None, help="Also log to this file (one per rank)."),
+        click.option("--log", "log_file", default=None,
+                     help="Also log to this file; rank N > 0 writes NAME.rankN.EXT."),
         click.option("--log-level", default="INFO", show_default=True),
+        click.option("--num-nodes", type=int, default=1, show_default=True,
+                     help="Nodes of an SSH-driven run (launch/ssh_launch.sh); each node "
+                          "runs one rank per --device-ids entry."),
+        click.option("--node-rank", type=int, default=0, show_default=True,
+                     help="This node's index in an SSH-driven run (0 hosts the server)."),
+        click.option("--master-addr", default=None,
+                     help="Address of node 0 (rank 0): rendezvous of every rank."),
+        click.option("--master-port", type=int, default=None,
+                     help="Rendezvous port on --master-addr (default 29500 with "
+                          "--num-nodes, a free one with spawn); the health link uses +1."),
+        click.option("--multithread", is_flag=True,
+                     help="Run the --device-ids ranks as threads of this one process "
+                          "(debugging)."),
+        click.option("--bind-interface", "bind", default=None, envvar="CVLLM_BIND_ADDR",
+                     help="Network interface (eth0) or address that the control plane, "
+                          "the health link and NCCL / gloo bind to."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -99,11 +117,9 @@ def _parse_device_ids(text: str) -> List[int]:
     return ids
 
 
-def build_engine(kw: Dict[str, Any]):
-    """Flags -> (LLMEngine, sampling defaults). Raises ConfigError / ModelLoadError."""
-    from cvllm.engine.builder import build_llm_engine
-
-    return build_llm_engine(
+def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
+    """Flags -> the keyword arguments of ``builder.build_llm_engine`` (every rank)."""
+    return dict(
         weight_path=kw["weight_path"], weight_file=kw["weight_file"], model_id=kw["model_id"],
         dtype=kw["dtype"], cpu=kw["cpu"], device_ids=_parse_device_ids(kw["device_ids"]),
         kvcache_mem_mb=kw["kvcache_mem"], gpu_memory_fraction=kw["gpu_memory_fraction"],
@@ -117,6 +133,25 @@ def build_engine(kw: Dict[str, Any]):
         attention_backend=kw.get("attention_backend") or "auto",
         sampling_overrides={k: kw.get(k) for k in DEFAULTABLE_SAMPLING_KEYS},
     )
+
+
+def parallel_options(kw: Dict[str, Any]):
+    """Flags -> ``spmd.ParallelOptions`` (who runs where; spawned ranks rerun argv)."""
+    from cvllm.engine.spmd import ParallelOptions
+
+    return ParallelOptions(
+        device_ids=tuple(_parse_device_ids(kw["device_ids"])), cpu=kw["cpu"],
+        num_nodes=kw["num_nodes"], node_rank=kw["node_rank"], master_addr=kw["master_addr"],
+        master_port=kw["master_port"], multithread=kw["multithread"], bind=kw["bind"],
+        argv=tuple(sys.argv[1:]), log_file=kw["log_file"], log_level=kw["log_level"],
+    )
+
+
+def _run_job(kw: Dict[str, Any], rank0_main: Callable) -> None:
+    """Every rank of the job runs this; rank 0 also runs ``rank0_main(rank0)``."""
+    from cvllm.engine.spmd import run_job
+
+    run_job(parallel_options(kw), engine_options(kw), rank0_main)
 
 
 def _fail(msg: str) -> None:
@@ -152,38 +187,37 @@ def serve(**kw: Any) -> None:
     """Serve a model over the OpenAI API (chat, completions, models, health, metrics)."""
     from cvllm.logger import init_logging
 
-    init_logging(0, kw["log_file"], kw["log_level"])
+    init_logging(0, None, kw["log_level"])  # run_job opens the per-rank --log file
     if not 0 < kw["port"] < 65536:
         _fail(f"--port must be in 1..65535, got {kw['port']}")
-    _run_guarded(lambda: _serve(kw))
+    _run_guarded(lambda: _run_job(kw, lambda rank0: _serve(kw, rank0)))
 
 
-def _serve(kw: Dict[str, Any]) -> None:
-    from aiohttp import web
-
+def _serve(kw: Dict[str, Any], rank0) -> None:
     from cvllm.engine.async_engine import AsyncEngine
     from cvllm.server.app import ServerSettings, build_app
+    from cvllm.server.lifecycle import serve_until_signal
 
-    engine, defaults = build_engine(kw)
+    engine, defaults = rank0.build_engine()
     name = engine.config.served_model_name
     async_engine = AsyncEngine(engine, name, defaults)
+    rank0.watch(async_engine)  # a dead or silent rank turns /health 503
     settings = ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
                               served_model_name=name)
     app = build_app(async_engine, settings)
 
-    async def on_startup(_app: web.Application) -> None:
+    async def on_startup(_app) -> None:
         async_engine.start()
 
-    async def on_cleanup(_app: web.Application) -> None:
+    async def on_cleanup(_app) -> None:
         async_engine.shutdown()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    logger.info("serving %s on http://%s:%d/v1", name, kw["host"], kw["port"])
-    # handler_cancellation: a client that goes away cancels its handler, which aborts
-    # its request and frees its KV blocks at once.
-    web.run_app(app, host=kw["host"], port=kw["port"], print=None, access_log=None,
-                handler_cancellation=True)
+    # SIGTERM / Ctrl-C: new requests get 503 while those in flight finish; then the
+    # engine stops and run_job sends SHUTDOWN to the other ranks.
+    serve_until_signal(app, settings, async_engine, on_listening=lambda: logger.info(
+        "serving %s on http://%s:%d/v1", name, kw["host"], kw["port"]))
 
 
 @main.command()
@@ -197,9 +231,12 @@ def generate(prompts, chat, max_tokens, as_json, **kw: Any) -> None:
     """Run prompts offline (no server) and print the completions."""
     from cvllm.logger import init_logging
 
-    init_logging(0, kw["log_file"], kw["log_level"])
-    texts = _collect_prompts(prompts)
-    _run_guarded(lambda: _generate(texts, chat, max_tokens, as_json, kw))
+    kw["served_model_name"] = None
+
+    init_logging(0, None, kw["log_level"])  # run_job opens the per-rank --log file
+    # Prompts are read on rank 0 only (stdin belongs to it), before the model loads.
+    _run_guarded(lambda: _run_job(kw, lambda rank0: _generate(
+        _collect_prompts(prompts), chat, max_tokens, as_json, kw, rank0)))
 
 
 def _collect_prompts(prompts) -> List[str]:
@@ -214,12 +251,12 @@ def _collect_prompts(prompts) -> List[str]:
     return texts
 
 
-def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: bool, kw: Dict[str, Any]) -> None:
+def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: bool,
+              kw: Dict[str, Any], rank0) -> None:
     from cvllm.engine.llm import LLM
     from cvllm.sampling_params import SamplingParams, SamplingParamsError
 
-    kw["served_model_name"] = None
-    engine, defaults = build_engine(kw)
+    engine, defaults = rank0.build_engine()
     llm = LLM.from_engine(engine)
     try:
         sampling = {k: v for k, v in defaults.items() if k in DEFAULTABLE_SAMPLING_KEYS}
@@ -231,6 +268,7 @@ def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: 
     for text, res in zip(texts, results):
         if as_json:
             click.echo(json.dumps({"prompt": text, "text": res.text, "finish_reason": res.finish_reason,
-                                   "num_tokens": len(res.token_ids)}))
+                                   "num_tokens": len(res.token_ids),
+                                   "token_ids": [int(t) for t in res.token_ids]}))
         else:
             click.echo(res.text)

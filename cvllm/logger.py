@@ -24,15 +24,15 @@ class _RankFilter(logging.Filter):
 
 
 def init_logging(rank: int = 0, log_file: Optional[str] = None, level: str = "INFO") -> logging.Logger:
-    """Send ``cvllm`` logs to stderr and, with ``--log``, to ``<log_file>`` (rank 0) or
-    ``<log_file>.rank<N>`` (other ranks) so every rank keeps its own file."""
+    """Send ``cvllm`` logs to stderr and, with ``--log``, to ``log_file`` (rank 0) or
+    ``rank_log_path(log_file, rank)`` (other ranks) so every rank keeps its own file."""
     logger = logging.getLogger("cvllm")
     logger.setLevel(level.upper())
     for h in list(logger.handlers):
         logger.removeHandler(h)
     handlers = [logging.StreamHandler(sys.stderr)]
     if log_file:
-        path = log_file if rank == 0 else f"{log_file}.rank{rank}"
+        path = rank_log_path(log_file, rank)
         handlers.append(logging.FileHandler(path, encoding="utf-8"))
     for h in handlers:
         h.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
@@ -40,3 +40,14 @@ def init_logging(rank: int = 0, log_file: Optional[str] = None, level: str = "IN
         logger.addHandler(h)
     logger.propagate = False
     return logger
+
+
+def rank_log_path(log_file: str, rank: int) -> str:
+    """``serve.log`` -> ``serve.rank1.log`` for rank 1 (``serve`` -> ``serve.rank1``);
+    rank 0 keeps the name as given."""
+    if rank == 0:
+        return log_file
+    head, sep, ext = log_file.rpartition(".")
+    if sep and head and "/" not in ext:
+        return f"{head}.rank{rank}.{ext}"
+    return f"{log_file}.rank{rank}"

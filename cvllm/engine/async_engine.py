@@ -39,6 +39,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop = threading.Event()
+        self._draining = threading.Event()
         self._error: Optional[BaseException] = None
         self._metrics = engine.metrics()
         self._thread: Optional[threading.Thread] = None
@@ -62,7 +63,27 @@ class AsyncEngine:
         return self._ready.is_set()
 
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        """False once the engine failed (its thread died, or ``fail`` was called: e.g. a
+        worker rank is gone) and while draining; ``/health`` then answers 503."""
+        return (self._error is None and not self._draining.is_set()
+                and self._thread is not None and self._thread.is_alive())
+
+    def fail(self, reason: str) -> None:
+        """Mark the engine dead from outside its thread (rank 0's health monitor saw a
+        worker rank die): ``/health`` turns 503 and every waiting request gets an error."""
+        if self._error is None:
+            self._error = EngineDeadError(reason)
+        self._fail_all(EngineDeadError(reason))
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (``/health`` and new requests answer 503); the ones in
+        flight run to completion (SIGTERM: ``server/lifecycle.py``)."""
+        self._draining.set()
+
+    def num_in_flight(self) -> int:
+        """Requests whose caller still waits for outputs."""
+        with self._lock:
+            return len(self._queues)
 
     def metrics(self) -> EngineMetrics:
         return self._metrics

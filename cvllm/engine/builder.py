@@ -1,15 +1,19 @@
-"""From user-facing options to a running ``LLMEngine`` (rank 0, single process).
+"""From user-facing options to a running ``LLMEngine`` (rank 0) or a rank's runner.
 
-Called by ``cli.py`` and by the offline ``LLM`` class. It resolves where the model comes
-from, builds the config dataclasses, loads the tokenizer and the model (through the
-``ModelRunner``), sizes the KV cache and hands everything to ``LLMEngine``.
+Called by ``cli.py`` / ``engine/spmd.py`` and by the offline ``LLM`` class. It resolves
+where the model comes from, builds the config dataclasses (``build_engine_config``: the
+same on every rank, checked before any weight loads, including that the tensor-parallel
+size splits the attention heads), loads the tokenizer and the model (through the
+``ModelRunner``), sizes the KV cache and hands everything to ``LLMEngine`` on rank 0.
+Ranks != 0 build only the config and their ``ModelRunner`` (``worker/worker_loop.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cvllm.config import (
     ATTENTION_BACKENDS,
@@ -21,14 +25,17 @@ from cvllm.config import (
 )
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.tokenizer import Tokenizer
-from cvllm.models.registry import get_model_class
+from cvllm.models.registry import UnsupportedArchitectureError, get_model_class
 from cvllm.sampling_params import DEFAULTABLE_SAMPLING_KEYS
 
 logger = logging.getLogger("cvllm.engine")
 
 
 
-def _pick_device(cpu: bool, device_ids: List[int]) -> DeviceConfig:
+def pick_device(cpu: bool, device_ids: List[int]) -> DeviceConfig:
+    """The device of this rank: ``device_ids[0]`` (under tensor parallelism the launcher
+    passes each rank its own id, ``launch_env.local_device_id``); every rank of a CPU run
+    runs on the host."""
     import torch
 
     if cpu:
@@ -36,12 +43,43 @@ def _pick_device(cpu: bool, device_ids: List[int]) -> DeviceConfig:
     if not torch.cuda.is_available():
         logger.warning("no CUDA device found: running on the CPU (pass --cpu to silence this)")
         return DeviceConfig("cpu", device_ids)
-    if len(device_ids) > 1:
-        raise ConfigError("several --device-ids need tensor parallelism, which this build does "
-                          "not have yet; give one device id")
     if device_ids[0] >= torch.cuda.device_count():
         raise ConfigError(f"--device-ids {device_ids[0]}: only {torch.cuda.device_count()} CUDA devices")
-    return DeviceConfig("cuda", device_ids)
+    return DeviceConfig("cuda", [device_ids[0]])
+
+
+def _uneven_tp_heads(architecture: str) -> bool:
+    """Whether the family's layers take a tp size that does not divide the heads."""
+    try:
+        return bool(getattr(get_model_class(architecture), "uneven_tp_heads", False))
+    except UnsupportedArchitectureError:
+        return False
+
+
+def check_tensor_parallel(model_config, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the model's layers cannot split, before anything
+    loads. Families whose class sets ``uneven_tp_heads`` (Llama, Gemma 2 and their kin)
+    take any size up to the attention heads (a balanced uneven split of the query heads
+    when it does not divide them); the others need one that divides the heads and that
+    splits or replicates the KV heads by a whole factor."""
+    if tp_size <= 1:
+        return
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    if tp_size > heads:
+        raise ConfigError(f"{model_config.architecture} has {heads} attention heads: "
+                          f"{tp_size} ranks would leave some rank without one; use at most "
+                          f"{heads} ranks")
+    if _uneven_tp_heads(model_config.architecture):
+        return
+    if heads % tp_size:
+        fits = [d for d in range(2, heads + 1) if heads % d == 0]
+        raise ConfigError(
+            f"{model_config.architecture} has {heads} attention heads, which {tp_size} ranks "
+            f"cannot split evenly; use a number of ranks that divides {heads} "
+            f"({', '.join(map(str, fits[:6]))})")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ConfigError(f"{model_config.architecture} has {kv_heads} KV heads: {tp_size} "
+                          "ranks neither split nor replicate them evenly")
 
 
 def _sampling_defaults(overrides: Dict[str, Any], generation_defaults: Dict[str, Any]) -> Dict[str, Any]:
@@ -57,7 +95,18 @@ def _sampling_defaults(overrides: Dict[str, Any], generation_defaults: Dict[str,
     return out
 
 
-def build_llm_engine(
+@dataclass
+class EngineSetup:
+    """What every rank builds identically from the options before loading weights."""
+
+    config: EngineConfig
+    source: Any
+    """The resolved ``loader.ModelSource``."""
+    defaults: Dict[str, Any]
+    """Server-wide sampling defaults (CLI over generation_config.json)."""
+
+
+def build_engine_config(
     weight_path: Optional[str] = None, weight_file: Optional[str] = None, model_id: Optional[str] = None,
     dtype: Optional[str] = None, cpu: bool = False, device_ids: Optional[List[int]] = None,
     kvcache_mem_mb: Optional[int] = None, gpu_memory_fraction: float = 0.7, max_num_seqs: int = 256,
@@ -66,11 +115,11 @@ def build_llm_engine(
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
     disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
-) -> Tuple[LLMEngine, Dict[str, Any]]:
-    """Returns the engine and the server-wide sampling defaults. ``disable_cuda_graph``
-    and ``attention_backend`` only matter on CUDA (see ``EngineConfig``)."""
+    *, tp_size: int = 1, device: Optional[DeviceConfig] = None,
+) -> EngineSetup:
+    """Check every option and read the model's config (no weights): the same on every
+    rank. ``device`` is this rank's (``pick_device``); default: the single-process one."""
     from cvllm import loader
-    from cvllm.worker.model_runner import ModelRunner
 
     # Check every flag before the (slow) model load, so a typo fails in a second.
     cache = CacheConfig(block_size=block_size, kvcache_mem_mb=kvcache_mem_mb,
@@ -89,11 +138,12 @@ def build_llm_engine(
     if attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                           f"got {attention_backend!r}")
-    device = _pick_device(cpu, device_ids or [0])
+    device = device or pick_device(cpu, device_ids or [0])
     dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
     source = loader.resolve_model_source(weight_path, weight_file, model_id)
     model_config = loader.load_model_config(source, dtype=dtype, max_model_len=max_model_len)
     get_model_class(model_config.architecture)  # unsupported: fail now, listing the supported
+    check_tensor_parallel(model_config, tp_size)
     context_len = model_config.native_max_len
     if yarn_scaling_factor is not None:
         context_len = apply_yarn_scaling(model_config.hf_config, yarn_scaling_factor)
@@ -112,13 +162,32 @@ def build_llm_engine(
         defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
         attention_backend=attention_backend,
     )
+    return EngineSetup(config, source, defaults)
+
+
+def build_llm_engine(*, rank: int = 0, tp_size: int = 1, device: Optional[DeviceConfig] = None,
+                     wrap_runner: Optional[Callable[[Any], Any]] = None,
+                     **options: Any) -> Tuple[LLMEngine, Dict[str, Any]]:
+    """Returns rank 0's engine and the server-wide sampling defaults. ``options`` are
+    ``build_engine_config``'s (the CLI flags by their long names); ``disable_cuda_graph``
+    and ``attention_backend`` only matter on CUDA (see ``EngineConfig``). With tensor
+    parallelism, ``wrap_runner`` wraps the ModelRunner so that each step reaches the
+    other ranks first (``engine/spmd.py``)."""
+    from cvllm import loader
+    from cvllm.worker.model_runner import ModelRunner
+
+    setup = build_engine_config(**options, tp_size=tp_size, device=device)
+    config, source = setup.config, setup.source
     tokenizer = Tokenizer(loader.load_tokenizer(source))
     _check_eos(config, tokenizer)
-    runner = ModelRunner(config, source)
-    logger.info("model %s (%s) on %s, dtype %s, max_model_len %d, %d KV blocks of %d tokens",
-                config.served_model_name, model_config.architecture, device.device, dtype,
-                model_config.max_model_len, runner.num_blocks, block_size)
-    defaults = dict(defaults, max_gen_tokens=config.max_gen_tokens)
+    runner = ModelRunner(config, source, rank)
+    logger.info("model %s (%s) on %s, dtype %s, max_model_len %d, %d KV blocks of %d tokens%s",
+                config.served_model_name, config.model.architecture, config.device.device,
+                config.model.dtype, config.model.max_model_len, runner.num_blocks,
+                config.cache.block_size, f", tensor parallel over {tp_size} ranks" if tp_size > 1 else "")
+    if wrap_runner is not None:
+        runner = wrap_runner(runner)
+    defaults = dict(setup.defaults, max_gen_tokens=config.max_gen_tokens)
     return LLMEngine(config, tokenizer, runner), defaults
 
 

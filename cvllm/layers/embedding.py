@@ -4,7 +4,10 @@ Built by the model classes. Each rank holds rows ``[vocab_start_index, vocab_end
 of the vocabulary padded to a multiple of ``padding_size * tp_size`` (padding rows are
 zero); the embedding masks foreign ids and all-reduces, the LM head's logits are gathered
 and cut back to the real vocabulary by ``LogitsProcessor``. With tied embeddings the LM
-head shares the embedding's parameter (``ParallelLMHead.tie_weights``).
+head shares the embedding's parameter (``ParallelLMHead.tie_weights``). The weight loader
+narrows the (maybe lazy) checkpoint tensor to this rank's rows before reading it. The
+logits all-gather is a collective: with tp_size > 1 every rank computes logits for every
+step that has sampling rows, although only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class VocabParallelEmbedding(nn.Module):
                 f"vs config vocab_size {self.num_embeddings}"
             )
         n = max(self.vocab_end_index - self.vocab_start_index, 0)
-        copy_checked(param.data[:n], loaded_weight[self.vocab_start_index : self.vocab_end_index])
+        if n:  # narrow first: a lazy checkpoint tensor reads only this rank's rows
+            copy_checked(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

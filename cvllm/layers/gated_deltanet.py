@@ -32,7 +32,8 @@ from torch import nn
 from cvllm.attention.specs import StateSpec
 from cvllm.distributed import parallel_state
 from cvllm.kernels.reference import l2norm_ref
-from cvllm.layers.utils import copy_checked, default_weight_loader, divide
+from cvllm.layers.utils import (as_tensor, copy_checked, default_weight_loader, divide,
+                                split_sizes)
 from cvllm.quantization.base import set_weight_attrs
 
 LinearAttnState = Tuple[torch.Tensor, torch.Tensor]
@@ -283,13 +284,17 @@ class GatedDeltaNet(nn.Module):
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Checkpoint ``conv1d.weight [2*key_dim + value_dim, 1, K]`` -> this rank's q, k
         and v channels."""
-        loaded = loaded.reshape(loaded.shape[0], -1)  # [C_total, K]
-        parts = loaded.split([self.key_dim * self.tp_size] * 2 + [self.value_dim * self.tp_size])
-        local = [p.narrow(0, self.tp_rank * (p.shape[0] // self.tp_size),
-                          p.shape[0] // self.tp_size) for p in parts]
-        copy_checked(param.data, torch.cat(local))
+        parts = split_sizes(loaded, [self.key_dim * self.tp_size] * 2
+                            + [self.value_dim * self.tp_size], 0)
+        # Narrow to this rank's channels before reading (lazy tensors read only them).
+        local = [as_tensor(p.narrow(0, self.tp_rank * (p.shape[0] // self.tp_size),
+                                    p.shape[0] // self.tp_size)) for p in parts]
+        copy_checked(param.data, torch.cat([t.reshape(t.shape[0], -1) for t in local]))
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_v_heads * self.tp_size:
+            raise ValueError(f"shape mismatch: per-head tensor {tuple(loaded.shape)} needs "
+                             f"{self.num_v_heads * self.tp_size} value heads")
         start = self.tp_rank * self.num_v_heads
         copy_checked(param.data, loaded.narrow(0, start, self.num_v_heads))
 

@@ -1,20 +1,22 @@
 """RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add;
-LayerNorm (with or without bias) for the families that use it (Phi, StableLM).
+LayerNorm (with or without bias) for the families that use it (Phi, StableLM), and
+``PerHeadLayerNorm`` (StableLM's q/k norms: one weight per attention head).
 
-Built by the model classes; the weight is replicated on every rank. On CUDA the RMSNorms
+Built by the model classes; the weight is replicated on every rank (``PerHeadLayerNorm``
+holds only this rank's heads, which its weight loader picks). On CUDA the RMSNorms
 run the Triton kernel ``kernels/rmsnorm.py`` (same roundings, add and norm in one pass);
 elsewhere the torch code below.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvllm.layers.utils import default_weight_loader
+from cvllm.layers.utils import copy_checked, default_weight_loader
 from cvllm.quantization.base import set_weight_attrs
 
 
@@ -141,3 +143,32 @@ class GemmaRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class PerHeadLayerNorm(nn.Module):
+    """A bias-free LayerNorm over head_dim with its own weight per head. ``head_ids``: the
+    checkpoint heads (rows of its ``[total_heads, D]`` weight) this rank holds, in local
+    order (``QKVParallelLinear``'s query heads or ``kv_head_ids``)."""
+
+    def __init__(self, head_ids: Sequence[int], head_dim: int, eps: float, dtype):
+        super().__init__()
+        self.head_ids, self.eps = list(head_ids), eps
+        self.weight = nn.Parameter(
+            torch.ones(len(self.head_ids), head_dim, dtype=dtype), requires_grad=False
+        )  # [H_local, D]
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.dim() != 2 or loaded_weight.shape[0] <= max(self.head_ids):
+            raise ValueError(
+                f"per-head norm needs [heads, head_dim] with heads > {max(self.head_ids)}, "
+                f"got {list(loaded_weight.shape)}"
+            )
+        for local, head in enumerate(self.head_ids):
+            copy_checked(param.data[local : local + 1], loaded_weight.narrow(0, head, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H_local * D]`` -> same shape, each head normalised with its own weight."""
+        T, (H, D) = x.shape[0], self.weight.shape
+        xf = F.layer_norm(x.reshape(T, H, D).float(), (D,), eps=self.eps)  # [T, H, D]
+        return (xf * self.weight.float()).to(x.dtype).reshape(T, H * D)

@@ -8,12 +8,20 @@ the full checkpoint tensor. Models never slice weights; ``RowParallelLinear`` al
 a collective (through ``distributed/comm.py``).
 
 Sharding (vLLM's): Column* split the output features, Row splits the input features;
-QKV splits heads, and replicates KV heads when tp_size exceeds their number.
+QKV splits the query heads evenly when tp_size divides them (3 and 6 as well as powers of
+two) and otherwise in balanced uneven ranges padded to one slot count (``q_head_assignment``;
+the output projection then takes ``input_blocks``), and gives each rank the KV heads its
+query heads use (``kv_head_assignment``): a contiguous share when tp_size divides the KV heads, one
+replicated head per rank when the KV heads divide tp_size, and otherwise (tp 3 over
+6 query / 2 KV heads) as many as make this rank's grouping uniform, some of them copies.
+
+Checkpoint tensors may be lazy (``layers/utils.py``): every loader here narrows before
+it copies, so a rank reads only its slice.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -23,9 +31,18 @@ from cvllm.distributed.comm import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from cvllm.layers.utils import copy_checked, divide
+from cvllm.layers.utils import (
+    balanced_range, consecutive_runs, copy_checked, divide, split_sizes,
+)
 from cvllm.quantization.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
 from cvllm.quantization.unquantized import UnquantizedLinearMethod
+
+
+def shard_of(loaded, dim: int, tp_rank: int, tp_size: int):
+    """Rank ``tp_rank``'s equal share of ``loaded`` along ``dim`` (a narrow: lazy tensors
+    stay lazy)."""
+    return loaded.narrow(dim, tp_rank * divide(loaded.shape[dim], tp_size),
+                         divide(loaded.shape[dim], tp_size))
 
 
 class LinearBase(nn.Module):
@@ -126,8 +143,7 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         output_dim = getattr(param, "output_dim", None)
         if output_dim is not None:
-            size = param.shape[output_dim]
-            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * size, size)
+            loaded_weight = shard_of(loaded_weight, output_dim, self.tp_rank, self.tp_size)
         copy_checked(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,17 +184,71 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             copy_checked(param.data, loaded_weight)
             return
         if shard_id is None:  # a pre-fused checkpoint tensor: split it and load each part
-            for i, part in enumerate(loaded_weight.split(self.output_sizes, dim=output_dim)):
+            for i, part in enumerate(split_sizes(loaded_weight, self.output_sizes, output_dim)):
                 self.weight_loader(param, part, i)
             return
         size = divide(self.output_sizes[shard_id], self.tp_size)
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        if loaded_weight.shape[output_dim] != self.output_sizes[shard_id]:
+            raise ValueError(f"shape mismatch: shard {shard_id} tensor "
+                             f"{tuple(loaded_weight.shape)} has not {self.output_sizes[shard_id]} "
+                             f"rows in dim {output_dim}")
         dst = param.data.narrow(output_dim, offset, size)
         copy_checked(dst, loaded_weight.narrow(output_dim, self.tp_rank * size, size))
 
 
+def q_head_assignment(num_heads: int, tp_size: int, tp_rank: int) -> Tuple[List[int], int]:
+    """``(global query head of each local slot, real head count)`` of rank ``tp_rank``.
+
+    tp | H: heads ``[r * H/tp, (r + 1) * H/tp)``, no padding. Otherwise the balanced uneven
+    split ``[r * H // tp, (r + 1) * H // tp)`` (9 over 2: 4 and 5 heads), padded to
+    ``ceil(H / tp)`` slots on every rank by repeating the rank's last head, so attention and
+    the KV cache have one shape on all ranks; ``RowParallelLinear`` gives padding slots
+    zero columns, so they add nothing."""
+    if not 0 < tp_size <= num_heads:
+        raise ValueError(f"{num_heads} attention heads cannot be split over {tp_size} ranks "
+                         "(every rank needs at least one head)")
+    start, count = balanced_range(num_heads, tp_size, tp_rank)
+    slots = -(-num_heads // tp_size)
+    ids = list(range(start, start + count))
+    return ids + [ids[-1]] * (slots - count), count
+
+
+def kv_head_assignment(num_heads: int, num_kv_heads: int, tp_size: int,
+                       tp_rank: int) -> List[int]:
+    """The global KV heads rank ``tp_rank`` holds, in its local order.
+
+    Query head ``h`` uses KV head ``h // (num_heads / num_kv_heads)``; rank ``r`` holds the
+    query heads of ``q_head_assignment`` (``H_loc`` slots, the same on every rank).
+    Attention groups a rank's query heads uniformly (local query head ``i`` uses local KV
+    head ``i // (H_loc / K_loc)``), so ``K_loc`` is the smallest divisor of ``H_loc`` for
+    which, on every rank, each run of ``H_loc / K_loc`` query slots uses one KV head; the
+    same on all ranks, so every rank has the same cache shape. tp | Hkv: ``Hkv / tp`` heads
+    ``[r * Hkv/tp, ...)``; Hkv | tp: one head, ``r * Hkv // tp``; otherwise some heads
+    twice (tp 3, H 6, Hkv 2: [0, 0], [0, 1], [1, 1]; tp 2, H 9, Hkv 3: [0, 0, 0, 1, 1],
+    [1, 1, 2, 2, 2])."""
+    group = divide(num_heads, num_kv_heads)
+    ranks = [q_head_assignment(num_heads, tp_size, r)[0] for r in range(tp_size)]
+    slots = len(ranks[0])
+    for k_loc in range(1, slots + 1):
+        if slots % k_loc:
+            continue
+        run = slots // k_loc
+        if all(ids[j * run] // group == ids[(j + 1) * run - 1] // group
+               for ids in ranks for j in range(k_loc)):
+            return [ranks[tp_rank][j * run] // group for j in range(k_loc)]
+    raise AssertionError("unreachable: one KV head per query slot always fits")
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection, split by heads; ``shard_id`` is ``'q'``, ``'k'`` or ``'v'``."""
+    """Fused q/k/v projection, split by heads; ``shard_id`` is ``'q'``, ``'k'`` or ``'v'``.
+
+    ``q_rows_per_head``: checkpoint q rows per query head in units of ``head_size`` (2 for
+    Qwen3-Next, whose q projection carries each head's output gate after its query), so
+    a rank keeps each head with its gate. ``num_heads`` / ``num_kv_heads`` are this rank's
+    (models read them here); ``q_head_ids`` / ``kv_head_ids`` the global heads it holds.
+    When tp does not divide the heads, ``num_heads`` counts padding slots too and the
+    model passes ``o_proj_input_blocks`` to its ``RowParallelLinear`` output projection."""
 
     def __init__(
         self,
@@ -190,22 +260,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: Optional[torch.dtype] = None,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
+        q_rows_per_head: int = 1,
     ):
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.head_size = head_size
+        self.q_rows_per_head = q_rows_per_head
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
-        self.num_heads = divide(total_num_heads, tp_size)
-        if tp_size >= self.total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
-        else:
-            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
-            self.num_kv_head_replicas = 1
-        q_out, kv_out = (
-            self.num_heads * head_size * tp_size,
-            self.num_kv_heads * head_size * tp_size,
-        )
+        self.q_head_ids, self.num_real_heads = q_head_assignment(total_num_heads, tp_size,
+                                                                 tp_rank)
+        self.num_heads = len(self.q_head_ids)
+        self.kv_head_ids = kv_head_assignment(
+            total_num_heads, self.total_num_kv_heads, tp_size, tp_rank)
+        self.num_kv_heads = len(self.kv_head_ids)
+        q_out = self.num_heads * q_rows_per_head * head_size * tp_size
+        kv_out = self.num_kv_heads * head_size * tp_size
         super().__init__(
             hidden_size,
             q_out + 2 * kv_out,
@@ -217,17 +287,23 @@ class QKVParallelLinear(ColumnParallelLinear):
             output_sizes=[q_out, kv_out, kv_out],
         )
 
-    def _shard(self, shard_id: str):
-        """(offset in this rank's param, width, start in the checkpoint tensor) of a shard."""
-        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        if shard_id == "q":
-            return 0, q, self.tp_rank * q
-        kv_rank = self.tp_rank // self.num_kv_head_replicas
-        if shard_id == "k":
-            return q, kv, kv_rank * kv
-        if shard_id == "v":
-            return q + kv, kv, kv_rank * kv
-        raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+    @property
+    def o_proj_input_blocks(self) -> Optional[List[Optional[int]]]:
+        """The global query head behind each of this rank's attention output blocks
+        (``None``: a padding slot), for ``RowParallelLinear(input_blocks=...)``; ``None``
+        when tp divides the heads (the plain even split)."""
+        if self.num_real_heads * self.tp_size == self.total_num_heads:
+            return None
+        pad = self.num_heads - self.num_real_heads
+        return self.q_head_ids[:self.num_real_heads] + [None] * pad
+
+    def _copy_heads(self, dst: torch.Tensor, src, dim: int, base: int, ids: List[int],
+                    rows: int) -> None:
+        """Copy global heads ``ids`` (``rows`` rows each) of ``src`` into ``dst`` from
+        ``base`` on: one narrow per run of consecutive heads (one in the usual cases)."""
+        for local, head, count in consecutive_runs(ids):
+            copy_checked(dst.narrow(dim, base + local * rows, count * rows),
+                         src.narrow(dim, head * rows, count * rows))
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Union[str, None] = None
@@ -236,16 +312,28 @@ class QKVParallelLinear(ColumnParallelLinear):
         if output_dim is None:
             copy_checked(param.data, loaded_weight)
             return
+        D = self.head_size
         if shard_id is None:  # a pre-fused checkpoint qkv tensor
-            sizes = [self.total_num_heads * self.head_size] + [
-                self.total_num_kv_heads * self.head_size
-            ] * 2
-            for sid, part in zip("qkv", loaded_weight.split(sizes, dim=output_dim)):
+            sizes = [self.total_num_heads * self.q_rows_per_head * D] + [
+                self.total_num_kv_heads * D] * 2
+            for sid, part in zip("qkv", split_sizes(loaded_weight, sizes, output_dim)):
                 self.weight_loader(param, part, sid)
             return
-        offset, size, start = self._shard(shard_id)
-        dst = param.data.narrow(output_dim, offset, size)
-        copy_checked(dst, loaded_weight.narrow(output_dim, start, size))
+        rows = self.q_rows_per_head * D
+        q = self.num_heads * rows
+        if shard_id == "q":  # padding slots (uneven split) repeat the rank's last head
+            if loaded_weight.shape[output_dim] != self.total_num_heads * rows:
+                raise ValueError(f"shape mismatch: q tensor {tuple(loaded_weight.shape)} has "
+                                 f"not {self.total_num_heads} heads of {rows} rows")
+            self._copy_heads(param.data, loaded_weight, output_dim, 0, self.q_head_ids, rows)
+            return
+        if shard_id not in ("k", "v"):
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        if loaded_weight.shape[output_dim] != self.total_num_kv_heads * D:
+            raise ValueError(f"shape mismatch: {shard_id} tensor {tuple(loaded_weight.shape)} "
+                             f"has not {self.total_num_kv_heads} heads of {D}")
+        base = q if shard_id == "k" else q + self.num_kv_heads * D
+        self._copy_heads(param.data, loaded_weight, output_dim, base, self.kv_head_ids, D)
 
 
 class RowParallelLinear(LinearBase):
@@ -261,21 +349,46 @@ class RowParallelLinear(LinearBase):
         params_dtype: Optional[torch.dtype] = None,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
+        input_blocks: Optional[List[Optional[int]]] = None,
+        block_size: int = 1,
     ):
+        """``input_blocks`` (an uneven split, e.g. ``QKVParallelLinear.o_proj_input_blocks``):
+        the global input block (of ``block_size`` features) behind each local block, ``None``
+        for a padding block whose columns stay zero; without it, an even split."""
         super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.input_blocks = list(input_blocks) if input_blocks is not None else None
+        self.block_size = block_size
+        if self.input_blocks is None:
+            self.input_size_per_partition = divide(input_size, self.tp_size)
+        else:
+            if not input_is_parallel:
+                raise ValueError("input_blocks needs input_is_parallel=True")
+            if not isinstance(self.quant_method, UnquantizedLinearMethod):
+                raise ValueError(f"{prefix}: an uneven input split is only for unquantized "
+                                 "weights")
+            self.input_size_per_partition = len(self.input_blocks) * block_size
         self._create(self.input_size_per_partition, [output_size], bias, output_size)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
     ) -> None:
         input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None:
-            size = param.shape[input_dim]
-            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * size, size)
-        copy_checked(param.data, loaded_weight)
+        if input_dim is None:
+            copy_checked(param.data, loaded_weight)
+        elif self.input_blocks is None:
+            copy_checked(param.data, shard_of(loaded_weight, input_dim, self.tp_rank,
+                                              self.tp_size))
+        else:
+            if loaded_weight.shape[input_dim] != self.input_size:
+                raise ValueError(f"shape mismatch: {tuple(loaded_weight.shape)} has not "
+                                 f"{self.input_size} input features in dim {input_dim}")
+            param.data.zero_()  # padding blocks add nothing
+            bs = self.block_size
+            for local, block, count in consecutive_runs(self.input_blocks):
+                copy_checked(param.data.narrow(input_dim, local * bs, count * bs),
+                             loaded_weight.narrow(input_dim, block * bs, count * bs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:

@@ -31,7 +31,7 @@ from cvllm.attention.metadata import AttentionMetadata
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding
-from cvllm.layers.utils import copy_checked, divide
+from cvllm.layers.utils import as_tensor, copy_checked, divide
 from cvllm.quantization.base import QuantizationConfig
 
 # transformers builds q_a_layernorm / kv_a_layernorm without passing rms_norm_eps, so they
@@ -88,15 +88,20 @@ class KVBParallelLinear(ColumnParallelLinear):
             super().weight_loader(param, loaded_weight)
             return
         dn, dv = self.qk_nope_head_dim, self.v_head_dim
-        if shard_id == "k_b":
-            part, offset = loaded_weight.transpose(1, 2), 0  # [H, Dn, R]
-        elif shard_id == "v_b":
-            part, offset = loaded_weight, dn  # [H, Dv, R]
-        else:
+        if shard_id not in ("k_b", "v_b"):
             raise ValueError(f"kv_b_proj shard_id must be 'k_b' or 'v_b', got {shard_id!r}")
+        if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.total_num_heads:
+            raise ValueError(f"shape mismatch: {shard_id} tensor {tuple(loaded_weight.shape)} "
+                             f"needs {self.total_num_heads} heads in dim 0")
         heads = divide(self.total_num_heads, self.tp_size)
+        # This rank's heads first, so a lazy tensor reads only them; then the layout.
+        part = as_tensor(loaded_weight.narrow(0, self.tp_rank * heads, heads))
+        if shard_id == "k_b":
+            part, offset = part.transpose(1, 2), 0  # [H, Dn, R]
+        else:
+            offset = dn  # [H, Dv, R]
         dst = param.data.view(heads, dn + dv, -1).narrow(1, offset, part.shape[1])
-        copy_checked(dst, part.narrow(0, self.tp_rank * heads, heads))
+        copy_checked(dst, part)
 
 
 class MultiHeadLatentAttention(nn.Module):

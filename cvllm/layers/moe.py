@@ -166,6 +166,12 @@ def parse_expert_weight_name(name: str) -> Optional[Tuple[str, Optional[int], st
     return f"{m.group('prefix')}.{'w2' if shard == 'w2' else 'w13'}_weight", expert, shard
 
 
+def _check_dim(src, dim: int, want: int, shard_id: str) -> None:
+    if src.dim() < 2 or src.shape[dim] != want:
+        raise ValueError(f"shape mismatch: expert tensor {tuple(src.shape)} for {shard_id!r} needs "
+                         f"{want} in dim {dim}")
+
+
 class FusedMoE(nn.Module):
     """The routed experts of one layer, intermediate dim split over TP ranks."""
 
@@ -228,16 +234,17 @@ class FusedMoE(nn.Module):
         if shard_id not in SHARD_IDS or is_w2 != (shard_id == "w2"):
             raise ValueError(f"shard_id {shard_id!r} does not fit "
                              f"{'w2_weight' if is_w2 else 'w13_weight'}")
+        # Narrow before copy_checked reads: a lazy tensor reads only this rank's slice.
+        full = self.intermediate_size
         if shard_id == "w2":  # down: split the input (intermediate) dim
+            _check_dim(src, -1, full, shard_id)
             copy_checked(dst, src.narrow(-1, rank * inter, inter))
         elif shard_id == "w13":
-            if src.shape[-2] != 2 * self.intermediate_size:
-                raise ValueError(f"fused gate_up tensor {tuple(src.shape)} must have "
-                                 f"{2 * self.intermediate_size} rows")
-            gate, up = src.split(self.intermediate_size, dim=-2)
-            self._load_expert(dst, gate, "w1", False)
-            self._load_expert(dst, up, "w3", False)
+            _check_dim(src, -2, 2 * full, shard_id)
+            self._load_expert(dst, src.narrow(-2, 0, full), "w1", False)
+            self._load_expert(dst, src.narrow(-2, full, full), "w3", False)
         else:  # gate rows first, then up rows, each this rank's slice of I
+            _check_dim(src, -2, full, shard_id)
             offset = 0 if shard_id == "w1" else inter
             copy_checked(dst.narrow(-2, offset, inter), src.narrow(-2, rank * inter, inter))
 

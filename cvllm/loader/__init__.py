@@ -5,7 +5,8 @@ its own copy of the files (memory-mapped, so ranks on one host share the page ca
 
     source = resolve_model_source(weight_path, weight_file, model_id)
     model_config = load_model_config(source, dtype, max_model_len)
-    model.load_weights(iter_weights(source))     # HF names, float32 or the file's dtype
+    model.load_weights(iter_weights(source))     # HF names, lazy tensors (each rank
+                                                 # reads only its shards)
     tokenizer = load_tokenizer(source)           # transformers fast tokenizer
     defaults = generation_defaults(source)       # temperature/top_p/top_k... of the author
 
@@ -14,7 +15,7 @@ Everything that can go wrong with the files raises ``ModelLoadError``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 
 from ..config import ConfigError, ModelConfig
 from .default_model import default_model_path
@@ -22,6 +23,9 @@ from .errors import ModelLoadError
 from .hf_config import (merge_ids, read_generation_config, read_hf_config, sampling_defaults,
                         token_ids)
 from .source import ModelSource, resolve_model_source
+
+if TYPE_CHECKING:  # torch is imported only when weights are read
+    from .lazy import LazyTensor
 
 __all__ = [
     "ModelLoadError", "ModelSource", "resolve_model_source", "default_model_path",
@@ -53,9 +57,10 @@ def load_model_config(source: ModelSource, dtype: str = "f32",
         raise ModelLoadError(f"{source.path}: {e}") from e
 
 
-def iter_weights(source: ModelSource) -> Iterator[Tuple[str, Any]]:
-    """Yield ``(hf_name, torch.Tensor)`` for every weight; GGUF tensors are dequantized to
-    float32 with Q/K rows in HF order, safetensors keep the file's dtype."""
+def iter_weights(source: ModelSource) -> Iterator[Tuple[str, "LazyTensor"]]:
+    """Yield ``(hf_name, LazyTensor)`` for every weight (``lazy.py``): nothing is read
+    until a weight loader materialises it, after narrowing it to this rank's shard. GGUF
+    tensors read as float32 with Q/K rows in HF order, safetensors in the file's dtype."""
     if source.kind == "hf":
         from .safetensors_loader import iter_safetensors_weights
 

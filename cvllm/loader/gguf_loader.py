@@ -5,10 +5,12 @@ checks every tensor's byte range against the file size; any failure is a ModelLo
 naming the file. The reader of the last file opened is kept, because parsing a GGUF's
 metadata (a 49k-token vocabulary) takes seconds and config and weights both need it.
 
-``iter_gguf_weights`` yields float32 tensors in HF layout: ``gguf.quants.dequantize``
-returns row-major ``[out, in]`` arrays (GGUF lists dims innermost first), and for archs
-whose converter permutes Q/K rows the permutation is undone (and for Gemma the +1 it
-folds into norm weights is taken out again).
+``iter_gguf_weights`` yields lazy tensors (``lazy.LazyTensor``), float32 in HF layout
+once read: ``gguf.quants.dequantize`` returns row-major ``[out, in]`` arrays (GGUF lists
+dims innermost first), and for archs whose converter permutes Q/K rows the permutation is
+undone (and for Gemma the +1 it folds into norm weights is taken out again). A rank that
+narrows a tensor to its shard dequantizes only that part from the memory map when it is
+made of whole quantization blocks, else the whole tensor (``read_gguf_part``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from .errors import ModelLoadError
 from .gguf_config import gguf_architecture, gguf_to_hf_config
 from .gguf_names import get_arch, hf_tensor_name, unpermute_qk
+from .lazy import LazyTensor, Ranges, record_materialized
 from .progress import progress
 
 GGUF_MAGIC = b"GGUF"
@@ -114,29 +117,108 @@ def gguf_config(path: Path) -> dict:
 
 def dequantize_tensor(t: Any) -> torch.Tensor:
     """One reader tensor as float32 in HF (row-major, outermost dim first) shape."""
-    from gguf.quants import dequantize
-
-    try:
-        arr = dequantize(t.data, t.tensor_type)
-    except NotImplementedError as e:
-        raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
-                             "which cvllm cannot dequantize") from e
-    want = tuple(int(d) for d in reversed(t.shape))
+    arr = _dequantize(t, t.data)
+    want = _hf_shape(t)
     if tuple(arr.shape) != want:
         # 1-D (norm) tensors come back flat either way; anything else must match.
         if int(np.prod(arr.shape)) != int(np.prod(want)):
             raise ModelLoadError(f"GGUF tensor {t.name!r}: dequantized shape {arr.shape} != {want}")
         arr = arr.reshape(want)
+    out = _to_tensor(arr)
+    record_materialized(out.numel() * 4)
+    return out
+
+
+def _hf_shape(t: Any) -> Tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape))
+
+
+def _dequantize(t: Any, data: np.ndarray) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
+                             "which cvllm cannot dequantize") from e
+
+
+def _to_tensor(arr: np.ndarray) -> torch.Tensor:
     if arr.dtype != np.float32:
         arr = arr.astype(np.float32)
-    elif not arr.flags.writeable:
+    elif not arr.flags.writeable or not arr.flags.c_contiguous:
         # F32 tensors are views of the read-only memory map; torch needs its own copy.
-        arr = arr.copy()
+        arr = np.ascontiguousarray(arr).copy()
     return torch.from_numpy(arr)
 
 
-def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight of a GGUF file."""
+def _block_slice(t: Any, ranges: Ranges) -> Optional[Tuple[slice, ...]]:
+    """The index of ``t.data`` holding exactly ``ranges`` of the HF-shaped tensor, or None
+    when the part is not made of whole quantization blocks. ``t.data`` is ``[..., row
+    bytes]`` (quantized: each row a run of blocks) or ``[..., cols]`` (plain types), its
+    leading dims the HF ones; rows are always whole blocks, a column range only when it
+    starts and ends on a block boundary."""
+    from gguf import GGML_QUANT_SIZES
+
+    data, shape = t.data, _hf_shape(t)
+    if tuple(data.shape[:-1]) != shape[:-1] or not shape:
+        return None
+    (c0, n), cols = ranges[-1], shape[-1]
+    if data.shape[-1] == cols:  # one element per column (F32, F16)
+        last = slice(c0, c0 + n)
+    else:
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        if data.shape[-1] * block != cols * type_size or c0 % block or n % block:
+            return None
+        last = slice(c0 // block * type_size, (c0 + n) // block * type_size)
+    return tuple(slice(s, s + k) for s, k in ranges[:-1]) + (last,)
+
+
+def read_gguf_part(t: Any, ranges: Ranges) -> torch.Tensor:
+    """``ranges`` of a reader tensor as float32, dequantizing only those rows and block
+    columns when they are whole quantization blocks (rows always are; a column range of a
+    row-parallel split is when ``in / tp`` is a multiple of the block, 32 or 256); else
+    the whole tensor is dequantized and then sliced (counted as whole)."""
+    shape = _hf_shape(t)
+    if all(s == 0 and n == d for (s, n), d in zip(ranges, shape)):
+        return dequantize_tensor(t)
+    index = _block_slice(t, ranges)
+    if index is None:
+        whole = dequantize_tensor(t)
+        for dim, (s, n) in enumerate(ranges):
+            whole = whole.narrow(dim, s, n)
+        return whole.contiguous()
+    arr = _dequantize(t, t.data[index]).reshape(tuple(n for _, n in ranges))
+    out = _to_tensor(arr)
+    record_materialized(out.numel() * 4)
+    return out
+
+
+def _gguf_reader(t: Any, rows_per_head: Optional[int], norm_offset: float):
+    """Reader of one tensor in HF layout. Q/K rows: llama.cpp permutes rows within each
+    head, so a part of whole heads is un-permuted on its own (``unpermute_qk`` over its
+    heads); a part cutting a head reads all rows, un-permutes, then narrows."""
+
+    def read(ranges: Ranges) -> torch.Tensor:
+        if rows_per_head is None:
+            w = read_gguf_part(t, ranges)
+        else:
+            s, n = ranges[0]
+            if s % rows_per_head == 0 and n % rows_per_head == 0:
+                w = unpermute_qk(read_gguf_part(t, ranges), n // rows_per_head)
+            else:
+                rows = _hf_shape(t)[0]
+                w = unpermute_qk(read_gguf_part(t, ((0, rows),) + tuple(ranges[1:])),
+                                 rows // rows_per_head)
+                w = w.narrow(0, s, n).contiguous()
+        return w - norm_offset if norm_offset else w
+
+    return read
+
+
+def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, LazyTensor]]:
+    """Yield ``(hf_name, LazyTensor)`` for every weight of a GGUF file: float32 in HF
+    layout when materialised, only the narrowed part dequantized (``read_gguf_part``)."""
     reader = open_gguf(path)
     arch = get_arch(gguf_architecture(reader))
     cfg = gguf_to_hf_config(reader)
@@ -144,14 +226,20 @@ def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
     names = [(t, hf_tensor_name(t.name, arch)) for t in reader.tensors]
     named = [(t, n) for t, n in names if n is not None]
     for t, name in progress(iter(named), len(named), f"Loading {Path(path).name}"):
-        w = dequantize_tensor(t)
+        heads = None
         if arch.permute_qk and ".self_attn.q_proj." in name:
-            w = unpermute_qk(w, cfg["num_attention_heads"])
+            heads = cfg["num_attention_heads"]
         elif arch.permute_qk and ".self_attn.k_proj." in name:
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        if arch.norm_weight_offset and name.endswith("norm.weight"):
-            w = w - arch.norm_weight_offset
-        yield name, w
+            heads = cfg["num_key_value_heads"]
+        shape = _hf_shape(t)
+        rows_per_head = None
+        if heads is not None:
+            if shape[0] % (2 * heads):
+                raise ModelLoadError(f"cannot un-permute a Q/K tensor of {shape[0]} rows over "
+                                     f"{heads} heads")
+            rows_per_head = shape[0] // heads
+        offset = arch.norm_weight_offset if name.endswith("norm.weight") else 0.0
+        yield name, LazyTensor(name, shape, torch.float32, _gguf_reader(t, rows_per_head, offset))
     # Loaded: free the parsed metadata (tens of MB for a large vocabulary) in a long-lived
-    # server; a later call simply re-reads it.
+    # server; a later call simply re-reads it. Lazy tensors keep their own memory-map views.
     clear_gguf_cache()

@@ -3,7 +3,8 @@
 Every shard's header is checked before any tensor is read (each rank loads its own copy,
 so a bad file should fail every rank at once, fast): the header length is bounded, each
 tensor's byte range must fit in the file and match its dtype and shape, and every tensor
-the index names must be in its shard. Tensors come out in the file's dtype.
+the index names must be in its shard. Tensors come out lazy (``lazy.LazyTensor``), in the
+file's dtype: a rank reads only the slices its weight loaders narrow to.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .errors import ModelLoadError
 from .hf_config import read_json
+from .lazy import LazyTensor, Ranges, record_materialized
 from .progress import progress
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -95,8 +97,18 @@ def _check_extents(path: Path, header: Dict[str, Any], data_bytes: int) -> None:
                                  f"does not fill its {end - begin} bytes")
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the folder's safetensors files."""
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                 "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[Tuple[str, LazyTensor]]:
+    """Yield ``(name, LazyTensor)`` for every tensor of the folder's safetensors files.
+
+    Nothing is read until a weight loader materialises (a narrowed part of) a tensor:
+    the whole tensor through ``get_tensor`` (the one-rank path), a part through
+    ``get_slice`` so that a TP rank reads only its shard. Each file stays open (memory
+    mapped) as long as a tensor of it is alive."""
     from safetensors import SafetensorError, safe_open
 
     files, weight_map = safetensors_files(Path(folder))
@@ -104,16 +116,45 @@ def iter_safetensors_weights(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]
     _check_index(weight_map, headers)
     total = sum(len([k for k in h if k != "__metadata__"]) for h in headers.values())
 
-    def tensors() -> Iterator[Tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[Tuple[str, LazyTensor]]:
         for path in files:
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
+                handle = safe_open(str(path), framework="pt")
+                names = list(handle.keys())
             except SafetensorError as e:
                 raise ModelLoadError(f"cannot read {path}: {e}") from e
+            for name in names:
+                info = headers[path][name]
+                yield name, LazyTensor(name, info["shape"], _torch_dtype(path, name, info),
+                                       _reader(handle, path, name))
 
     yield from progress(tensors(), total, "Loading safetensors weights")
+
+
+def _torch_dtype(path: Path, name: str, info: Dict[str, Any]) -> torch.dtype:
+    dtype = getattr(torch, _TORCH_DTYPES.get(str(info["dtype"]), ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ModelLoadError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which "
+                             "cvllm cannot load")
+    return dtype
+
+
+def _reader(handle: Any, path: Path, name: str):
+    """Reads ranges of one tensor: whole via ``get_tensor``, a part via ``get_slice``."""
+    from safetensors import SafetensorError
+
+    def read(ranges: Ranges) -> torch.Tensor:
+        try:
+            sl = handle.get_slice(name)
+            whole = all(s == 0 and n == d for (s, n), d in zip(ranges, sl.get_shape()))
+            out = handle.get_tensor(name) if whole else sl[tuple(slice(s, s + n)
+                                                                  for s, n in ranges)]
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {name!r} from {path}: {e}") from e
+        record_materialized(out.numel() * out.element_size())
+        return out
+
+    return read
 
 
 def _check_index(weight_map: Dict[str, str], headers: Dict[Path, Dict[str, Any]]) -> None:

@@ -32,14 +32,13 @@ from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
 from cvllm.config import ModelConfig
-from cvllm.distributed import parallel_state
 from cvllm.layers.activation import get_act_and_mul_fn
 from cvllm.layers.attention import Attention
 from cvllm.layers.embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from cvllm.layers.layernorm import GemmaRMSNorm
 from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from cvllm.layers.utils import divide, torch_dtype
+from cvllm.layers.utils import torch_dtype
 from cvllm.models.base import CausalLMBase
 from cvllm.quantization.base import QuantizationConfig
 
@@ -109,21 +108,21 @@ class GemmaAttention(nn.Module):
         prefix: str,
     ):
         super().__init__()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         hidden = config.get("hidden_size")
         self.head_dim = config.head_dim
-        self.num_heads = divide(config.num_heads, tp_size)
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(config.get("attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
             hidden, self.head_dim, config.num_heads, config.num_kv_heads, bias=bias,
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
+        # This rank's heads: the parallel layer owns the split (and any KV replication).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             config.num_heads * self.head_dim, hidden, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.o_proj",
+            input_blocks=self.qkv_proj.o_proj_input_blocks, block_size=self.head_dim,
         )
         if plan.qk_norm:
             eps = float(config.get("rms_norm_eps", 1e-6))
@@ -240,6 +239,7 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(CausalLMBase):
+    uneven_tp_heads = True  # tp need not divide the attention heads (the builder asks)
     # transformers' Gemma2Config defaults, for keys a config.json leaves out.
     default_sliding_window_pattern = 2
     default_final_logit_softcapping: Optional[float] = 30.0

@@ -24,14 +24,13 @@ from torch import nn
 from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.config import ModelConfig
-from cvllm.distributed import parallel_state
 from cvllm.layers.activation import get_act_and_mul_fn
 from cvllm.layers.attention import Attention
 from cvllm.layers.embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from cvllm.layers.utils import divide, torch_dtype
+from cvllm.layers.utils import torch_dtype
 from cvllm.models.base import CausalLMBase
 from cvllm.quantization.base import QuantizationConfig
 
@@ -84,15 +83,8 @@ class LlamaAttention(nn.Module):
         """``qkv_bias`` / ``o_bias`` default to the config's ``attention_bias``; families
         that fix them regardless of config (Qwen2: q/k/v only) pass them."""
         super().__init__()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         hidden = config.get("hidden_size")
         self.head_dim = config.head_dim
-        self.num_heads = divide(config.num_heads, tp_size)
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
-        self.q_size, self.kv_size = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
         bias = bool(config.get("attention_bias", False))
         qkv_bias = bias if qkv_bias is None else qkv_bias
         o_bias = bias if o_bias is None else o_bias
@@ -106,6 +98,12 @@ class LlamaAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
+        # This rank's heads: the parallel layer owns the split (and any KV replication).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
         self.o_proj = RowParallelLinear(
             config.num_heads * self.head_dim,
             hidden,
@@ -113,6 +111,8 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
+            input_blocks=self.qkv_proj.o_proj_input_blocks,  # uneven head split: padded
+            block_size=self.head_dim,
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(
@@ -240,6 +240,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLMBase):
     model_cls = LlamaModel
+    # tp need not divide the attention heads (balanced uneven split; the builder asks).
+    uneven_tp_heads = True
     # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),

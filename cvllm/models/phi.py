@@ -19,14 +19,12 @@ from torch import nn
 from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.config import ModelConfig
-from cvllm.distributed import parallel_state
 from cvllm.layers.activation import get_act_fn
 from cvllm.layers.attention import Attention
 from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cvllm.layers.layernorm import LayerNorm
 from cvllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from cvllm.layers.utils import divide
 from cvllm.models import utils as model_utils
 from cvllm.models.llama import LlamaForCausalLM
 from cvllm.quantization.base import QuantizationConfig, set_weight_attrs
@@ -49,20 +47,20 @@ class PhiAttention(nn.Module):
         prefix: str,
     ):
         super().__init__()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         hidden = config.get("hidden_size")
         self.head_dim = config.head_dim
-        self.num_heads = divide(config.num_heads, tp_size)
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             hidden, self.head_dim, config.num_heads, config.num_kv_heads, bias=True,
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
+        # This rank's heads: the parallel layer owns the split (and any KV replication).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.dense = RowParallelLinear(
             config.num_heads * self.head_dim, hidden, bias=True, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.dense",
+            input_blocks=self.qkv_proj.o_proj_input_blocks, block_size=self.head_dim,
         )
         if config.get("qk_layernorm", False):
             eps = float(config.get("layer_norm_eps", 1e-5))

@@ -23,6 +23,7 @@ from cvllm.layers.activation import get_act_and_mul_fn
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from cvllm.layers.moe import FusedMoE, select_experts
+from cvllm.layers.utils import as_tensor
 from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from cvllm.models.moe_utils import load_moe_model_weights
 from cvllm.quantization.base import QuantizationConfig
@@ -178,5 +179,5 @@ def _shared_gate_as_row(weights: Iterable[Tuple[str, torch.Tensor]]):
     ``ffn_gate_inp_shexp``); the linear needs ``[1, H]``."""
     for name, tensor in weights:
         if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
-            tensor = tensor.unsqueeze(0)  # [1, H]
+            tensor = as_tensor(tensor).unsqueeze(0)  # [1, H]; replicated, read whole
         yield name, tensor

@@ -27,7 +27,6 @@ from torch import nn
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec
 from cvllm.config import ModelConfig
-from cvllm.distributed import parallel_state
 from cvllm.layers.activation import get_act_and_mul_fn
 from cvllm.layers.attention import Attention
 from cvllm.layers.embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
@@ -42,7 +41,7 @@ from cvllm.layers.linear import (
 )
 from cvllm.layers.moe import FusedMoE, select_experts
 from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from cvllm.layers.utils import divide, torch_dtype
+from cvllm.layers.utils import torch_dtype
 from cvllm.models import utils as model_utils
 from cvllm.models.moe_utils import load_moe_model_weights
 from cvllm.quantization.base import QuantizationConfig
@@ -123,16 +122,16 @@ class Qwen3NextAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, dtype, quant_config,
                  prefix: str):
         super().__init__()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         hidden, eps = config.get("hidden_size"), float(config.get("rms_norm_eps", 1e-6))
         self.head_dim = config.head_dim
-        self.num_heads = divide(config.num_heads, tp_size)
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
         bias = bool(config.get("attention_bias", False))
-        # q and its gate as 2H "heads" of D: TP then keeps each head with its gate.
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, 2 * config.num_heads,
+        # q_proj rows per head: D query then D gate, so TP keeps each head with its gate.
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_heads,
                                           config.num_kv_heads, bias=bias, params_dtype=dtype,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+                                          q_rows_per_head=2)
+        # This rank's heads: the parallel layer owns the split (and any KV replication).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, hidden, bias=bias,
                                         params_dtype=dtype, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")

@@ -11,7 +11,7 @@ usual sequential residual. Built by the worker on every rank like every model cl
 The per-head norms arrive one tensor per head in HF checkpoints
 (``q_layernorm.norms.{h}.weight``) and stacked ``[heads, head_dim]`` in GGUF files
 (llama.cpp's converter stacks them); ``load_weights`` stacks the HF ones, and the
-parameter's weight_loader keeps this rank's heads.
+parameter's weight_loader (``layers/layernorm.PerHeadLayerNorm``) keeps this rank's heads.
 """
 
 from __future__ import annotations
@@ -20,45 +20,14 @@ import re
 from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.config import ModelConfig
-from cvllm.layers.layernorm import LayerNorm
-from cvllm.layers.utils import copy_checked
+from cvllm.layers.layernorm import LayerNorm, PerHeadLayerNorm
+from cvllm.layers.utils import as_tensor
 from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from cvllm.models.phi import reset_layernorms_
-from cvllm.quantization.base import set_weight_attrs
-
-
-class StableLmLayerNormPerHead(nn.Module):
-    """A bias-free LayerNorm over head_dim with its own weight per head; holds heads
-    ``[first_head, first_head + num_heads)`` of the checkpoint's ``[total_heads, D]``."""
-
-    def __init__(self, num_heads: int, head_dim: int, first_head: int, eps: float, dtype):
-        super().__init__()
-        self.first_head, self.eps = first_head, eps
-        self.weight = nn.Parameter(
-            torch.ones(num_heads, head_dim, dtype=dtype), requires_grad=False
-        )  # [H_local, D]
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        n = param.shape[0]
-        if loaded_weight.dim() != 2 or loaded_weight.shape[0] < self.first_head + n:
-            raise ValueError(
-                f"per-head norm needs [heads, head_dim] with heads >= {self.first_head + n}, "
-                f"got {list(loaded_weight.shape)}"
-            )
-        copy_checked(param.data, loaded_weight[self.first_head : self.first_head + n])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H_local * D]`` -> same shape, each head normalised with its own weight."""
-        T, (H, D) = x.shape[0], self.weight.shape
-        xf = F.layer_norm(x.reshape(T, H, D).float(), (D,), eps=self.eps)  # [T, H, D]
-        return (xf * self.weight.float()).to(x.dtype).reshape(T, H * D)
 
 
 class StableLmAttention(LlamaAttention):
@@ -69,13 +38,8 @@ class StableLmAttention(LlamaAttention):
         )
         if config.get("qk_layernorm", False):
             eps, qkv = float(config.get("layer_norm_eps", 1e-5)), self.qkv_proj
-            first_kv = (qkv.tp_rank // qkv.num_kv_head_replicas) * qkv.num_kv_heads
-            self.q_layernorm = StableLmLayerNormPerHead(
-                self.num_heads, self.head_dim, qkv.tp_rank * self.num_heads, eps, dtype
-            )
-            self.k_layernorm = StableLmLayerNormPerHead(
-                self.num_kv_heads, self.head_dim, first_kv, eps, dtype
-            )
+            self.q_layernorm = PerHeadLayerNorm(qkv.q_head_ids, self.head_dim, eps, dtype)
+            self.k_layernorm = PerHeadLayerNorm(qkv.kv_head_ids, self.head_dim, eps, dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
 
@@ -154,7 +118,7 @@ def stack_per_head_norms(
             continue
         stem, head = m.group(1), int(m.group(2))
         heads = pending.setdefault(stem, {})
-        heads[head] = tensor
+        heads[head] = as_tensor(tensor)  # one tiny [D] vector per head
         want = num_heads if stem.endswith("q_layernorm") else num_kv_heads
         if sorted(heads) == list(range(want)):
             yield f"{stem}.weight", torch.stack([heads[i] for i in range(want)])  # [H, D]
@@ -175,5 +139,5 @@ class StableLmForCausalLM(LlamaForCausalLM):
         super().init_dummy_weights(seed)
         reset_layernorms_(self)
         for module in self.modules():
-            if isinstance(module, StableLmLayerNormPerHead):
+            if isinstance(module, PerHeadLayerNorm):
                 module.weight.data.fill_(1.0)

@@ -52,7 +52,7 @@ def test_smollm2_config_matches_transformers(smollm2_gguf, hf_gguf_model):
 
 @pytest.mark.slow
 def test_smollm2_weights_match_transformers(smollm2_gguf, hf_gguf_state_dict):
-    ours = dict(iter_weights(ModelSource("gguf", smollm2_gguf)))
+    ours = {n: t.materialize() for n, t in iter_weights(ModelSource("gguf", smollm2_gguf))}
     ref = hf_gguf_state_dict
     # Tied: neither side has a separate lm_head tensor worth comparing (HF ties it).
     assert set(ours) == set(ref) - {"lm_head.weight"}
@@ -91,7 +91,7 @@ def test_tiny_roundtrip(make_tiny_gguf, arch):
     want_head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     assert cfg.head_dim == want_head_dim and cfg.num_kv_heads == 2
     assert cfg.get("tie_word_embeddings") == model.config.tie_word_embeddings
-    ours = dict(iter_gguf_weights(path))
+    ours = {n: t.materialize() for n, t in iter_gguf_weights(path)}
     ref = model.state_dict()
     if model.config.tie_word_embeddings:
         ref = {k: v for k, v in ref.items() if k != "lm_head.weight"}
@@ -104,7 +104,7 @@ def test_tiny_quantized_tensor(make_tiny_gguf):
     q = gguf.GGMLQuantizationType.Q8_0
     name = "model.layers.1.self_attn.k_proj.weight"
     model, path = make_tiny_gguf("llama", quant={name: q, "model.layers.0.mlp.up_proj.weight": q})
-    ours = dict(iter_gguf_weights(path))
+    ours = {n: t.materialize() for n, t in iter_gguf_weights(path)}
     for n in (name, "model.layers.0.mlp.up_proj.weight"):
         ref = model.state_dict()[n]
         assert ours[n].shape == ref.shape

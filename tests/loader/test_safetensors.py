@@ -21,7 +21,7 @@ def _reference(folder):
 
 
 def _assert_same_state_dict(folder):
-    ours = dict(iter_weights(ModelSource("hf", folder)))
+    ours = {n: t.materialize() for n, t in iter_weights(ModelSource("hf", folder))}
     ref = _reference(folder)
     assert set(ours) == set(ref)
     for name, t in ref.items():

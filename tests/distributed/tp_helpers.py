@@ -1,0 +1,191 @@
+"""Shared by the multi-rank launch, fault and e2e tests: tiny random models saved once,
+``cvllm`` command lines, a ``cvllm serve`` process driven over HTTP, and the Open MPI
+environment for running as root in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+CVLLM = [sys.executable, "-m", "cvllm"]
+TINY_PROMPTS = ["12 34 56", "!?#"]
+"""Prompts whose ids (the default tokenizer's) fit a 256-token tiny vocabulary."""
+COMMON = ["--cpu", "--max-model-len", "128", "--mem", "16", "--temperature", "0",
+          "--max-num-seqs", "8"]
+
+
+def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", CVLLM_NO_PROGRESS="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.update(extra or {})
+    return env
+
+
+def mpirun_cmd(n: int) -> List[str]:
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (apt-get install -y openmpi-bin libopenmpi-dev)")
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n),
+            "--mca", "btl_tcp_if_include", "lo", "--bind-to", "none", *CVLLM]
+
+
+def torchrun_cmd(n: int) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+            "--master-port", str(find_free_port_pair()), "-m", "cvllm"]  # health: + 1
+
+
+def find_free_port_pair() -> int:
+    from cvllm.distributed.launch_env import find_free_port_pair as pair
+
+    return pair()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_llama(folder: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.family_harness import randomize_, save_tiny
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128))
+    randomize_(hf)
+    return save_tiny(hf, folder)
+
+
+def save_tiny_qwen3_moe(folder: Path) -> Path:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.models.family_harness import randomize_, save_tiny
+
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8,
+        num_experts_per_tok=2, vocab_size=256, max_position_embeddings=128,
+        norm_topk_prob=True))
+    randomize_(hf)
+    return save_tiny(hf, folder)
+
+
+def generate_args(model_args: Sequence[str], prompts: Sequence[str], max_tokens: int,
+                  chat: bool = False) -> List[str]:
+    args = ["generate", *model_args, *COMMON, "--max-tokens", str(max_tokens), "--json",
+            "--chat" if chat else "--no-chat"]
+    for p in prompts:
+        args += ["--prompt", p]
+    return args
+
+
+def run_generate(prefix: Sequence[str], args: Sequence[str], timeout: float = 120,
+                 env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``prefix + args``; ``prefix`` ends with the program (``CVLLM``,
+    ``mpirun_cmd(n)``, ``torchrun_cmd(n)``)."""
+    cmd = [*prefix, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=env or mpi_env(), cwd=str(Path(__file__).resolve().parents[2]))
+
+
+def token_ids(proc: subprocess.CompletedProcess) -> List[List[int]]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"no JSON output\n{proc.stderr[-4000:]}"
+    return [r["token_ids"] for r in rows]
+
+
+class Server:
+    """A ``cvllm serve`` process (any launcher prefix) and its log."""
+
+    def __init__(self, prefix: Sequence[str], args: Sequence[str], log: Path,
+                 env: Optional[Dict[str, str]] = None, subcommand: Sequence[str] = ("serve",)
+                 ) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [*prefix, *subcommand, *args, "--port", str(self.port)]
+        self._f = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT,
+                                     env=env or mpi_env(), start_new_session=True,
+                                     cwd=str(Path(__file__).resolve().parents[2]))
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        import requests
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited early ({self.proc.returncode}):\n{self.text()}")
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"server never became healthy:\n{self.text()}")
+
+    def health(self) -> Optional[int]:
+        import requests
+
+        try:
+            return requests.get(self.base + "/health", timeout=2).status_code
+        except requests.RequestException:
+            return None
+
+    def descendants(self) -> List[int]:
+        import psutil
+
+        try:
+            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def text(self) -> str:
+        self._f.flush()
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self._f.close()
+
+
+def wait_gone(pids: Sequence[int], timeout: float) -> List[int]:
+    """Wait until none of ``pids`` runs (zombies count as gone); returns those left."""
+    import psutil
+
+    deadline = time.time() + timeout
+    left = list(pids)
+    while left and time.time() < deadline:
+        left = [p for p in left if _alive(psutil, p)]
+        time.sleep(0.1)
+    return left
+
+
+def _alive(psutil, pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

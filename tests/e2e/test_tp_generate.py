@@ -1,0 +1,94 @@
+"""Tensor parallelism end to end on the CPU (gloo): greedy ``cvllm generate --json``
+outputs under every launch mode equal the 1-rank outputs token for token.
+
+- tiny random Llama and Qwen3-MoE (4 heads): 2 ranks under ``mpirun``, ``torchrun``,
+  spawn (``--cpu --d 0,1``) and ``--multithread``;
+- the default model (SmolLM2-135M, 9 heads): 3 ranks under spawn and ``--multithread``,
+  2 ranks (an uneven head split, 4 and 5) under spawn; and the clear refusal of more
+  ranks than heads.
+
+Each model's 1-rank reference runs once per session (module fixtures); few prompts and
+few tokens keep the set within a few minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.tp_helpers import (
+    CVLLM, TINY_PROMPTS, generate_args, mpirun_cmd, run_generate, save_tiny_llama,
+    save_tiny_qwen3_moe, token_ids, torchrun_cmd,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+NEW_TOKENS = 12
+DEFAULT_PROMPTS = ["Hello there", "What is 2+2?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_tiny")
+    return {"llama": save_tiny_llama(root / "llama"),
+            "qwen3_moe": save_tiny_qwen3_moe(root / "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_models):
+    """1-rank greedy ids of each tiny model (one process each, once)."""
+    return {name: token_ids(run_generate(CVLLM, generate_args(["--w", str(path)],
+                                                              TINY_PROMPTS, NEW_TOKENS)))
+            for name, path in tiny_models.items()}
+
+
+def _launch(mode: str, n: int, model_args):
+    """(program prefix, generate args) of ``mode`` with ``n`` ranks."""
+    if mode == "mpirun":
+        return mpirun_cmd(n), list(model_args)
+    if mode == "torchrun":
+        return torchrun_cmd(n), list(model_args)
+    ids = ",".join(str(i) for i in range(n))
+    extra = ["--multithread"] if mode == "multithread" else []
+    return CVLLM, [*model_args, "--d", ids, *extra]
+
+
+@pytest.mark.parametrize("mode", ["spawn", "multithread", "mpirun", "torchrun"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_tiny_models_match_one_rank(model, mode, tiny_models, tiny_reference):
+    prefix, model_args = _launch(mode, 2, ["--w", str(tiny_models[model])])
+    proc = run_generate(prefix, generate_args(model_args, TINY_PROMPTS, NEW_TOKENS))
+    got = token_ids(proc)
+    assert got == tiny_reference[model], proc.stderr[-3000:]
+    assert all(len(ids) == NEW_TOKENS for ids in got)
+    assert "tensor parallel over 2 ranks" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_gguf):
+    return token_ids(run_generate(CVLLM, generate_args(["--f", str(default_gguf)],
+                                                       DEFAULT_PROMPTS, NEW_TOKENS, chat=True)))
+
+
+@pytest.mark.parametrize("mode", ["spawn", "multithread"])
+def test_default_model_matches_one_rank(mode, default_gguf, default_reference):
+    prefix, model_args = _launch(mode, 3, ["--f", str(default_gguf)])
+    proc = run_generate(prefix, generate_args(model_args, DEFAULT_PROMPTS, NEW_TOKENS, chat=True))
+    assert token_ids(proc) == default_reference, proc.stderr[-3000:]
+    assert "tensor parallel over 3 ranks" in proc.stderr
+
+
+def test_default_model_two_ranks_uneven_heads_match_one_rank(default_gguf, default_reference):
+    """9 heads over 2 ranks: a balanced uneven split (4 and 5 query heads)."""
+    prefix, model_args = _launch("spawn", 2, ["--f", str(default_gguf)])
+    proc = run_generate(prefix, generate_args(model_args, DEFAULT_PROMPTS, NEW_TOKENS, chat=True))
+    assert token_ids(proc) == default_reference, proc.stderr[-3000:]
+    assert "tensor parallel over 2 ranks" in proc.stderr
+
+
+def test_default_model_refuses_more_ranks_than_heads_before_loading(default_gguf):
+    ids = ",".join(str(i) for i in range(10))
+    proc = run_generate(CVLLM, generate_args(["--f", str(default_gguf), "--d", ids],
+                                             DEFAULT_PROMPTS, NEW_TOKENS), timeout=60)
+    assert proc.returncode == 2
+    assert "9 attention heads: 10 ranks" in proc.stderr
+    assert "spawned rank" not in proc.stderr  # refused before any rank started
