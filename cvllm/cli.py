@@ -227,7 +227,9 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt as a user chat message.")
 @click.option("--max-tokens", type=int, default=None, help="New tokens per prompt.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt instead of plain text.")
-def generate(prompts, chat, max_tokens, as_json, **kw: Any) -> None:
+@click.option("--logprobs", "num_logprobs", type=click.IntRange(0, 20), default=0, show_default=True,
+              help="With --json: each token's log-probability and the N most likely [id, logprob].")
+def generate(prompts, chat, max_tokens, as_json, num_logprobs, **kw: Any) -> None:
     """Run prompts offline (no server) and print the completions."""
     from cvllm.logger import init_logging
 
@@ -236,7 +238,7 @@ def generate(prompts, chat, max_tokens, as_json, **kw: Any) -> None:
     init_logging(0, None, kw["log_level"])  # run_job opens the per-rank --log file
     # Prompts are read on rank 0 only (stdin belongs to it), before the model loads.
     _run_guarded(lambda: _run_job(kw, lambda rank0: _generate(
-        _collect_prompts(prompts), chat, max_tokens, as_json, kw, rank0)))
+        _collect_prompts(prompts), chat, max_tokens, as_json, kw, rank0, num_logprobs)))
 
 
 def _collect_prompts(prompts) -> List[str]:
@@ -252,7 +254,7 @@ def _collect_prompts(prompts) -> List[str]:
 
 
 def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: bool,
-              kw: Dict[str, Any], rank0) -> None:
+              kw: Dict[str, Any], rank0, num_logprobs: int = 0) -> None:
     from cvllm.engine.llm import LLM
     from cvllm.sampling_params import SamplingParams, SamplingParamsError
 
@@ -260,15 +262,20 @@ def _generate(texts: List[str], chat: bool, max_tokens: Optional[int], as_json: 
     llm = LLM.from_engine(engine)
     try:
         sampling = {k: v for k, v in defaults.items() if k in DEFAULTABLE_SAMPLING_KEYS}
-        params = SamplingParams(**sampling, max_tokens=max_tokens or engine.config.max_gen_tokens)
+        params = SamplingParams(**sampling, max_tokens=max_tokens or engine.config.max_gen_tokens,
+                                logprobs=num_logprobs or None)
     except SamplingParamsError as e:
         _fail(str(e))
     results = llm.chat([[{"role": "user", "content": t}] for t in texts], params) if chat \
         else llm.generate(texts, params)
     for text, res in zip(texts, results):
         if as_json:
-            click.echo(json.dumps({"prompt": text, "text": res.text, "finish_reason": res.finish_reason,
-                                   "num_tokens": len(res.token_ids),
-                                   "token_ids": [int(t) for t in res.token_ids]}))
+            row = {"prompt": text, "text": res.text, "finish_reason": res.finish_reason,
+                   "num_tokens": len(res.token_ids), "token_ids": [int(t) for t in res.token_ids]}
+            if num_logprobs:
+                row["logprobs"] = [lp.logprob for lp in res.logprobs]
+                row["top_logprobs"] = [[[t, v] for t, v in lp.top_ids.items()]
+                                       for lp in res.logprobs]
+            click.echo(json.dumps(row))
         else:
             click.echo(res.text)

@@ -17,6 +17,8 @@ class TokenLogprob:
     logprob: float
     top: Dict[str, float] = field(default_factory=dict)
     """The ``logprobs`` most likely tokens at this position (text -> log-probability)."""
+    top_ids: Dict[int, float] = field(default_factory=dict)
+    """The same by token id (two ids may decode to one text)."""
 
 
 @dataclass
@@ -46,6 +48,8 @@ class CompletionResult:
     text: str
     token_ids: List[int]
     finish_reason: Optional[str]
+    logprobs: List["TokenLogprob"] = field(default_factory=list)
+    """One per generated token when the request asked for logprobs."""
 
 
 @dataclass

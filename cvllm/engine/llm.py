@@ -71,6 +71,7 @@ class LLM:
                     continue
                 res.text += out.delta_text
                 res.token_ids.extend(out.delta_token_ids)
+                res.logprobs.extend(out.logprobs or [])
                 if out.finished:
                     res.finish_reason = out.finish_reason
         return [results[rid] for rid in ids]

@@ -226,12 +226,13 @@ class LLMEngine:
 
     def _token_logprob(self, result, row: int) -> TokenLogprob:
         tok = int(result.token_ids[row])
-        top = {}
+        top, top_ids = {}, {}
         if result.top_ids is not None:
             for tid, lp in zip(result.top_ids[row], result.top_logprobs[row]):
                 top[self.tokenizer.decode([int(tid)], skip_special_tokens=False)] = float(lp)
+                top_ids[int(tid)] = float(lp)
         return TokenLogprob(token_id=tok, token=self.tokenizer.decode([tok], skip_special_tokens=False),
-                            logprob=float(result.logprobs[row]), top=top)
+                            logprob=float(result.logprobs[row]), top=top, top_ids=top_ids)
 
     # ---------------------------------------------------------------- metrics
     def metrics(self) -> EngineMetrics:
