@@ -3,6 +3,7 @@ the warm-up step, per-request streams, abort freeing KV blocks, and a dying engi
 turning unhealthy and failing its requests instead of hanging them."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -20,14 +21,16 @@ class CountingRunner:
 
     num_blocks = 64
 
-    def __init__(self, fail_at_step=None):
+    def __init__(self, fail_at_step=None, delay_s=0.0):
         self.steps = 0
         self.fail_at_step = fail_at_step
+        self.delay_s = delay_s  # a step's time, so a request is still running when looked at
 
     def execute(self, step, seqs):
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("simulated device failure")
+        time.sleep(self.delay_s)
         if not seqs:
             return None
         # the last input token of each sampling row (its placeholder is not known yet)
@@ -67,7 +70,9 @@ async def _wait(pred, timeout=5.0):
 
 def test_ready_then_streams_and_aborts(tokenizer):
     async def main():
-        engine = _engine(tokenizer, CountingRunner())
+        # 5 ms a step: request b's 200 steps outlast the checks below (no race with the
+        # engine thread finishing it first)
+        engine = _engine(tokenizer, CountingRunner(delay_s=0.005))
         assert not engine.is_ready()
         engine.start()
         assert await _wait(engine.is_ready)
