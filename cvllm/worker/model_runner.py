@@ -193,9 +193,10 @@ class ModelRunner:
         seen N's tokens (the overlapped engine loop)."""
         self._check_step(step)
         prev = None
-        if (step.prev_rows >= 0).any():
+        max_row = int(step.prev_rows.max()) if step.prev_rows.size else -1
+        if max_row >= 0:  # placeholders: the previous step's sampled ids fill them in
             prev = self._prev_sampled
-            if prev is None or int(step.prev_rows.max()) >= prev.shape[0]:
+            if prev is None or max_row >= prev.shape[0]:
                 raise StepInputError(f"step {step.step_id} patches ids the previous step "
                                      "did not sample")
         bs = self.graphs.padded_size(step) if self.graphs is not None else None
