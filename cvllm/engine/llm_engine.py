@@ -10,11 +10,10 @@ N+1 -- schedule, build the ``StepInput``, ``runner.launch`` (H2D copies, the for
 CUDA graph replay for a padded decode step, the sampler and the one device-to-host copy,
 all without a host sync) -- while step N still runs on the device, and only then waits
 for N's sampled ids, updates the scheduler and detokenizes N. Step N+1's inputs that
-are N's tokens are placeholders the runner fills in on the device. The loop falls back to
-one step at a time when the runner has no ``launch``, when ``overlap`` is off, when a row
-of N uses repetition / presence / frequency penalties (their counts need N's token on the
-host), or when the scheduler could not give every sequence its blocks without a
-preemption (``SchedulerOutput.starved``).
+are N's tokens are placeholders the runner fills in on the device (and adds to the
+penalty counts there). The loop falls back to one step at a time when the runner has no
+``launch``, when ``overlap`` is off, or when the scheduler could not give every sequence
+its blocks without a preemption (``SchedulerOutput.starved``).
 """
 
 from __future__ import annotations
@@ -162,9 +161,7 @@ class LLMEngine:
         return _InFlight(out, sampling_seqs, handle)
 
     def _can_overlap(self, current: _InFlight) -> bool:
-        if not self.overlap or current.out.starved:
-            return False
-        return not any(_penalized(seq.params) for seq in current.sampling_seqs)
+        return self.overlap and not current.out.starved
 
     def _complete(self, current: _InFlight) -> List[RequestOutput]:
         """Wait for a launched step's ids, apply them, detokenize."""
@@ -258,8 +255,3 @@ class _Done:
     def result(self):
         return self._result
 
-
-def _penalized(params: SamplingParams) -> bool:
-    """Penalties count the previous token, which an overlapped step does not know yet."""
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)

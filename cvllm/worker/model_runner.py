@@ -214,7 +214,7 @@ class ModelRunner:
         if seqs is None:  # ranks != 0: only rank 0 samples; its ids come by broadcast
             self._prev_sampled = self._receive_sampled(len(step.logits_indices))
             return PendingStep(None)
-        return self._sample(logits, step, seqs)
+        return self._sample(logits, step, seqs, prev)
 
     def _receive_sampled(self, S: int) -> torch.Tensor:
         """Rank 0's sampled ids of this step ([S] int64, device), for the next step's
@@ -280,7 +280,8 @@ class ModelRunner:
             for t in self.kv_caches[i]:
                 t.index_fill_(0, fresh, 0)
 
-    def _sample(self, logits: torch.Tensor, step: StepInput, seqs: Sequence) -> StepResult:
+    def _sample(self, logits: torch.Tensor, step: StepInput, seqs: Sequence,
+                prev: Optional[torch.Tensor] = None) -> "PendingStep":
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         num_logprobs = max(want) if want else 0
         tensors = SamplingTensors.from_lists(
@@ -296,6 +297,8 @@ class ModelRunner:
             output_token_ids=[s.confirmed_output_token_ids for s in seqs],
             vocab_size=logits.shape[-1], device=self.device,
         )
+        if prev is not None and tensors.output_counts is not None:
+            _count_pending_tokens(tensors.output_counts, step, prev)
         out = self.sampler(logits, tensors, num_logprobs=num_logprobs)
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             from cvllm.distributed import comm  # every rank patches the next placeholders
@@ -314,6 +317,22 @@ class PendingStep:
 
     def result(self) -> Optional[StepResult]:
         return self._output.wait() if self._output is not None else None
+
+
+def _count_pending_tokens(output_counts: torch.Tensor, step: StepInput,
+                          prev: torch.Tensor) -> None:
+    """Penalties in the overlapped loop: a row whose input token is the previous step's
+    placeholder has that token in its history too, but only on the device; add it to the
+    row's counts (``output_counts [S, V]``, built from the known ids) without a sync."""
+    rows = step.prev_rows[step.logits_indices]  # [S]: the previous step's row, or -1
+    which = np.nonzero(rows >= 0)[0]
+    if which.size == 0:
+        return
+    dev = output_counts.device
+    ids = prev[torch.from_numpy(rows[which].astype(np.int64)).to(dev)]  # [P]
+    at = torch.from_numpy(which.astype(np.int64)).to(dev)  # [P]
+    output_counts.index_put_((at, ids), torch.ones_like(ids, dtype=output_counts.dtype),
+                             accumulate=True)
 
 
 def patch_placeholders(input_ids: torch.Tensor, prev_rows: torch.Tensor,

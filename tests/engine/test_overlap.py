@@ -38,8 +38,10 @@ def _params():
         SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[0, 1, 2, 3, 4, 5, 6, 7],
                        ignore_eos=True),
+        # a negative frequency penalty rewards repeating: the last token -- in the
+        # overlapped loop a placeholder, counted on the device -- decides the next one
         SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3,
-                       frequency_penalty=0.5, ignore_eos=True),
+                       frequency_penalty=-2.0, presence_penalty=-2.0, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=15, ignore_eos=True,
                        logprobs=2),
     ]
@@ -77,6 +79,10 @@ def test_overlapped_loop_equals_the_synchronous_one(model_dir, num_blocks):
     assert all(g.num_free_blocks == g.num_total_blocks for g in engine.kv_cache_manager.groups)
     if num_blocks:
         assert engine.scheduler.num_preemptions_total > 0
+    else:  # the penalties matter here, so the row above checks their counts overlapped
+        plain = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=10,
+                                                          ignore_eos=True))[0].token_ids
+        assert plain != got[3][0]
 
 
 def test_stop_strings_and_aborts_in_flight(model_dir):
