@@ -95,6 +95,14 @@ def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec])
     return None
 
 
+def patch_placeholders(input_ids: torch.Tensor, prev_rows: torch.Tensor,
+                       prev_sampled: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with each placeholder (``prev_rows >= 0``) replaced, on the device,
+    by the id the previous step sampled at that row. All ``[T]`` int64."""
+    taken = prev_sampled[prev_rows.clamp(min=0)]  # [T]
+    return torch.where(prev_rows >= 0, taken, input_ids)
+
+
 class DecodeBuffers:
     """Static device inputs of a padded decode step, rows ``0..max_bs-1``, and the host
     staging they are copied from (pinned on CUDA: two host-to-device copies a step)."""
@@ -228,8 +236,6 @@ class CudaGraphRunner:
         rows (``step.prev_rows``) on the device, outside the graph."""
         self.buffers.load(step, bs)
         if prev_sampled is not None:
-            from cvllm.worker.model_runner import patch_placeholders
-
             b = self.buffers
             b.input_ids[:bs].copy_(patch_placeholders(b.input_ids[:bs], b.prev_rows[:bs],
                                                       prev_sampled))

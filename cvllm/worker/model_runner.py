@@ -44,7 +44,8 @@ from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.registry import get_model_class
 from cvllm.worker import memory
-from cvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graph_unsafe_reason
+from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
+                                     patch_placeholders)
 from cvllm.worker.output_copy import OutputCopy, PendingOutput, StepResult
 
 __all__ = ["ModelRunner", "PendingStep", "StepResult", "model_cache_specs", "patch_placeholders"]
@@ -335,12 +336,6 @@ def _count_pending_tokens(output_counts: torch.Tensor, step: StepInput,
                              accumulate=True)
 
 
-def patch_placeholders(input_ids: torch.Tensor, prev_rows: torch.Tensor,
-                       prev_sampled: torch.Tensor) -> torch.Tensor:
-    """``input_ids`` with each placeholder (``prev_rows >= 0``) replaced, on the device,
-    by the id the previous step sampled at that row. All ``[T]`` int64."""
-    taken = prev_sampled[prev_rows.clamp(min=0)]  # [T]
-    return torch.where(prev_rows >= 0, taken, input_ids)
 
 
 def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype

@@ -16,6 +16,8 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
+from cvllm.distributed.launch_env import find_free_port_pair
+
 CVLLM = [sys.executable, "-m", "cvllm"]
 TINY_PROMPTS = ["12 34 56", "!?#"]
 """Prompts whose ids (the default tokenizer's) fit a 256-token tiny vocabulary."""
@@ -41,12 +43,6 @@ def mpirun_cmd(n: int) -> List[str]:
 def torchrun_cmd(n: int) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
             "--master-port", str(find_free_port_pair()), "-m", "cvllm"]  # health: + 1
-
-
-def find_free_port_pair() -> int:
-    from cvllm.distributed.launch_env import find_free_port_pair as pair
-
-    return pair()
 
 
 def free_port() -> int:
