@@ -369,6 +369,15 @@ def act_and_mul_ref(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     raise ValueError(f"unsupported activation {activation!r}; supported: {ACT_AND_MUL}")
 
 
+# ----------------------------------------------------------------- batch-1 linear
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` summed in float32 and rounded once to x's dtype: the
+    contract of ``kernels/gemv.gemv`` (one row of ``F.linear``)."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 # ----------------------------------------------------------------- sampling
 # Transcriptions of ``layers/sampler.py`` (its torch path is the semantic reference),
 # in the calling conventions of ``kernels/sampling.py``.

@@ -1,6 +1,9 @@
 """UnquantizedLinearMethod: a plain ``[out, in]`` weight in the model dtype.
 
-Created by each parallel linear when no ``QuantizationConfig`` applies to it.
+Created by each parallel linear when no ``QuantizationConfig`` applies to it. A single
+CUDA row (batch-1 decode) goes to ``kernels/gemv.py``, which streams the weight at a
+higher fraction of the bandwidth than cuBLAS does at these shapes; everything else is
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -37,4 +40,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
+        if x.is_cuda:
+            from cvllm.kernels import gemv as g
+
+            if g.use_gemv(x, layer.weight) and (bias is None or bias.dtype == x.dtype):
+                return g.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)

@@ -1,0 +1,144 @@
+"""Batch-1 matrix-vector product ``y = x @ W^T (+ b)`` streaming the weight once (Triton).
+
+Called by ``quantization/unquantized.UnquantizedLinearMethod`` and the LM head for a
+single CUDA row in a 16-bit dtype (batch-1 decode); ``kernels/reference.gemv_ref`` is the
+plain-torch version and the test oracle (tests/kernels/test_gemv.py, also run on the CPU
+under ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
+
+Why not cuBLAS: at one row the product is a pure weight stream, and the library's kernels
+for the decoder's shapes leave bandwidth unused; those for ``o_proj`` (4096x4096) and
+``down`` (4096x14336) also split K and add a second reduce kernel. On an H100
+(``tools/bench_kernels.py``, docs/benchmarks/kernels-h100.json, weights read from HBM):
+cuBLAS 2392 / 2001 / 2789 / 2574 / 2816 GB/s for qkv / o_proj / gate_up / down / lm_head,
+this kernel 2720 / 2573 / 3015 / 2847 / 3145 GB/s (copy: 2956 GB/s). Here one program owns
+``BLOCK_N`` whole output rows: it walks K in ``BLOCK_K`` steps, keeps a
+``[BLOCK_N, BLOCK_K]`` float32 partial sum in registers and reduces it once at the end,
+so there is no second kernel and no cross-program traffic; ``BLOCK_N`` is picked so the
+grid covers the SMs several times over (``plan``). The weight loads are marked
+evict-first: every byte is used once, and the vector ``x`` (re-read by every program)
+stays in L2.
+
+Numerics: float32 accumulation of the 16-bit products, one rounding to the output dtype
+(cuBLAS does the same, in a different summation order), so results equal ``F.linear`` up
+to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_TILE = 8192
+"""Weight elements one program loads per K step."""
+MAX_K = 1 << 20
+"""Longest row this kernel takes (a sanity bound: the grid is over N, K is looped)."""
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Rows ``pid * BLOCK_N ..`` of ``y = W @ x (+ b)``; ``W [N, K]`` row-major."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    nmask = offs_n < N
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0,
+                            eviction_policy="evict_first")
+        else:
+            kmask = (k0 + offs_k) < K
+            x = tl.load(x_ptr + k0 + offs_k, mask=kmask, other=0.0,
+                        eviction_policy="evict_last")
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(n: int, k: int, num_sms: int) -> Tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[n, k]`` weight: 8192-element (16 KiB)
+    weight tiles, as wide along K as the row allows (up to 2048), with 4 warps, the best
+    config for every 8B decoder shape and its TP halves in the H100 sweep
+    (docs/benchmarks/kernels-h100.json); the row block halves (down to one row) while
+    the grid would leave SMs idle. Fixed by shape alone, so every call with one shape sums
+    in the same order (outputs do not depend on timing or the CUDA graph)."""
+    block_k = max(64, min(triton.next_power_of_2(k), 2048))
+    block_n = max(1, min(16, _TILE // block_k))
+    while block_n > 1 and triton.cdiv(n, block_n) < num_sms:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         config: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
+    """``x [.., K]`` holding one row, ``weight [N, K]`` -> ``[.., N]`` in x's dtype; the
+    contract of ``reference.gemv_ref`` (``F.linear``). ``config`` overrides ``plan``
+    (``(BLOCK_N, BLOCK_K, num_warps)``; the benchmark's sweep)."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x [.., K] and weight [N, K] disagree: {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.numel() != weight.shape[1]:
+        raise ValueError(f"gemv takes one row; x has {x.numel() // max(x.shape[-1], 1)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype in {_DTYPES}; got {x.dtype}, "
+                         f"{weight.dtype}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight rows must be contiguous")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}; got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    if not (x.device == weight.device and (bias is None or bias.device == x.device)):
+        raise ValueError("x, weight and bias must be on one device")
+    n, k = weight.shape
+    if k > MAX_K:
+        raise ValueError(f"K={k} exceeds {MAX_K}")
+    xv = x.reshape(k)
+    if xv.stride(0) != 1:
+        xv = xv.contiguous()
+    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)  # [.., N]
+    if n == 0:
+        return y
+    if config is None:
+        sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
+        config = plan(n, k, sms)
+    block_n, block_k, warps = config
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        xv, weight, bias if bias is not None else xv, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+    return y
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer should call ``gemv``: one CUDA row, a 16-bit weight of the
+    same dtype with contiguous rows, and a weight large enough for the stream to matter
+    (smaller ones stay with cuBLAS)."""
+    return (x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and x.numel() == x.shape[-1] and weight.dim() == 2
+            and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
+            and weight.numel() >= (1 << 20))
