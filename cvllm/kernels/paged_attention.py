@@ -19,8 +19,12 @@ Kernels:
 - ``_decode_kernel``: one program per (sequence, KV head, split). The G = H / Hkv query
   heads that share a KV head are the rows of one ``tl.dot`` tile (padded to 16), so each
   K/V tile is read once for the whole group. Long contexts are split along the sequence
-  (flash-decoding); each split writes its normalised output and log2-sum-exp2, and
-  ``_merge_kernel`` combines them. With one split the decode kernel writes the output.
+  (flash-decoding); each split writes its normalised output and log2-sum-exp2, then
+  ``_merge_kernel`` combines them. With ``fused_merge`` each split instead takes a
+  ticket from a per-(sequence, KV head) counter and the split that arrives last merges
+  its group's partials (``_merge_group``) and resets the counter to 0, with no second
+  launch; the counters live in one zeroed int32 buffer per device that every call
+  reuses. With one split the decode kernel writes the output directly.
 - ``_prefill_kernel``: one program per (BLOCK_M queries, query head, sequence) for
   variable-length batches, online softmax over BLOCK_N-key tiles gathered through the
   block table, ``tl.dot`` for QK^T and PV with float32 accumulation.
@@ -49,9 +53,16 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
 _CACHE_DTYPES = _FLOAT_DTYPES + (_FP8,)
-_MIN_SPLIT_TOKENS = 256
-"""A decode split shorter than this costs more in the merge than it saves."""
+_MIN_SPLIT_TOKENS = 64
+"""A decode split shorter than this costs more in the merge than it saves (batch-1 sweep
+on an H100, docs/benchmarks/kernels-h100.json: 64-key splits beat 32, 128 and 256 at
+every context from 128 to 2048 keys)."""
 _MAX_SPLITS = 64
+FUSED_MERGE = False
+"""Whether the last split merges its group inside the decode kernel by default. Off: the
+one program's serial merge of its group's heads costs more than the separate merge
+kernel's launch (H100, batch 1, docs/benchmarks/kernels-decode-h100.json: 11.5 against
+5.9 us per layer at 128 keys, 13.1 against 7.8 us at 1024)."""
 _STAGES = 2
 """Software-pipelining depth of the K/V loads in the decode and prefill loops."""
 _SMEM_BUDGET = 128 * 1024
@@ -193,16 +204,39 @@ def write_kv(
 
 
 @triton.jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, b, h0, num_heads_here, num_splits,
+                 num_heads, head_dim, stride_ob, stride_oh,
+                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[b, h] = sum_s 2**lse_s * o_s / sum_s 2**lse_s`` for heads ``h0 ..``. Reads go
+    to L2 (``.cg``): the partials were written by other programs."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask, dmask = offs_s < num_splits, offs_d < head_dim
+    for i in range(num_heads_here):
+        h = h0 + i
+        row = (b * num_heads + h) * num_splits + offs_s  # [BLOCK_S]
+        lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
+        o = tl.load(part_out_ptr + row[:, None] * head_dim + offs_d[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0,
+                    cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
+        res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
+                 res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, ticket_ptr, k_scale_ptr, v_scale_ptr,
     scale, softcap, window, block_size, split_len, num_splits, num_heads, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     DIRECT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
     of its visible keys ``[start, seq_len)``."""
@@ -247,6 +281,17 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * head_dim + offs_d[None, :], o, mask=qmask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
+    if FUSED_MERGE and not DIRECT:
+        # Every thread's partials are issued before the ticket; the acq_rel atomic (one
+        # thread, gpu scope) publishes them and, for the last split, acquires the others'.
+        tl.debug_barrier()
+        counter = ticket_ptr + b * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+        if ticket == num_splits - 1:
+            tl.store(counter, 0)  # ready for the next call (and the next CUDA graph replay)
+            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP, GROUP,
+                         num_splits, num_heads, head_dim, stride_ob, stride_oh,
+                         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
 
 
 @triton.jit
@@ -342,8 +387,11 @@ def decode_attention(
     block_n: Optional[int] = None,
     k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
     v_scale: Optional[torch.Tensor] = None,
+    fused_merge: Optional[bool] = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> ``out [B, H, D]``.
+    ``fused_merge`` (default ``FUSED_MERGE``) merges the splits in the decode kernel
+    instead of a second kernel.
 
     ``max_seq_len`` must bound ``seq_lens`` (read from the device when None, which syncs):
     the splits cover that many keys. It and ``num_splits`` (planned when None) set the
@@ -365,22 +413,49 @@ def decode_attention(
         num_splits, block_n)
     direct = num_splits == 1
     part_out = part_lse = out  # unused placeholders when direct
+    tickets = seq_lens  # unused placeholder unless the merge is fused
+    fused = FUSED_MERGE if fused_merge is None else bool(fused_merge)
     if not direct:
         part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+        if fused:
+            tickets = _ticket_counters(q.device, B * hkv)
     group = H // hkv
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, ks, vs,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, tickets, ks, vs,
         float(scale), float(softcap or 0.0), window, k_cache.shape[1], split_len, num_splits,
         H, D, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         DIRECT=direct, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_block_d(D),
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
-        FP8=fp8, num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
+        FP8=fp8, FUSED_MERGE=fused, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
     )
-    if not direct:
+    if not direct and not fused:
         merge_attention_partials(part_out, part_lse, out)
     return out
+
+
+_TICKETS: dict = {}
+"""``(device type, index)`` -> the split counter buffers made so far, newest last."""
+
+
+def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's zeroed int32 split counters, at least ``n`` of them. Each decode
+    leaves them at 0, so the buffer is shared by every call (and CUDA graph) in the
+    stream order. Planned splits need ``n < 2 * SMs``, far below the first size; a
+    larger buffer is made (zeroed) only outside a CUDA graph capture, whose replays
+    would otherwise read counters that no replay had zeroed. Replaced buffers stay
+    referenced: graphs captured earlier keep their address."""
+    key = (device.type, device.index)
+    bufs = _TICKETS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode split counters must be allocated before CUDA graph "
+                               "capture (run one eager decode of this batch size first)")
+        size = max(n, 4096 if not bufs else 2 * bufs[-1].numel())
+        bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 # ----- prefill ------------------------------------------------------------------------------
