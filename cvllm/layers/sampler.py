@@ -219,6 +219,17 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2 or logits.shape[0] != t.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
         raw = logits
+        if logits.is_cuda and logits.dtype == torch.float32:
+            from cvllm.kernels.sampling import row_stats
+
+            # One pass gives the greedy tokens of unpenalized rows and the logprob
+            # normaliser (torch's single-row argmax / logsumexp are slow at batch 1).
+            _, raw_argmax, lse = row_stats(raw)
+            if t.all_greedy and not (t.do_repetition or t.do_freq_presence):
+                sampled = raw_argmax
+            else:
+                sampled = self._sample_on_gpu(logits, t)
+            return self._logprobs(raw, sampled, num_logprobs, lse)
         if logits.is_cuda:
             return self._logprobs(raw, self._sample_on_gpu(logits, t), num_logprobs)
         logits = apply_penalties(logits, t)
@@ -291,9 +302,11 @@ class Sampler(torch.nn.Module):
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, num_logprobs: int,
+                  lse: Optional[torch.Tensor] = None) -> SamplerOutput:
         # logsumexp + gather avoids materializing a full [S, V] log_softmax.
-        lse = raw.logsumexp(dim=-1)  # [S]
+        if lse is None:
+            lse = raw.logsumexp(dim=-1)  # [S]
         chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1) - lse  # [S]
         out = SamplerOutput(sampled=sampled, logprobs=chosen)
         if num_logprobs > 0:

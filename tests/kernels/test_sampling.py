@@ -165,6 +165,29 @@ def check_sampler_plumbing(device="cpu"):
     assert first[2] in penalized[2].topk(5).indices
 
 
+def check_row_stats(S=5, V=9000, device="cpu", seed=0):
+    """Max, first argmax and logsumexp equal torch's: ties across slices and within one,
+    a row whose max is in the last (ragged) slice, a row with -inf entries and a row of
+    only -inf."""
+    from cvllm.kernels.sampling import STATS_BLOCK, row_stats
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, V, generator=g) * 4
+    x[0, 3] = x[0, STATS_BLOCK + 5] = 50.0  # tie across slices: the first wins
+    if S > 3:
+        x[1, V - 1] = 60.0  # in the ragged last slice
+        x[2, 10:4000] = float("-inf")
+        x[3] = float("-inf")
+    x = x.to(device)
+    m, arg, lse = row_stats(x)
+    want_m, want_arg = x.max(dim=-1)
+    assert torch.equal(m.cpu(), want_m.cpu()) and torch.equal(arg.cpu(), want_arg.cpu())
+    assert arg.dtype == torch.int64
+    torch.testing.assert_close(lse.cpu(), x.logsumexp(dim=-1).cpu(), atol=1e-5, rtol=1e-6)
+    if S > 3:
+        assert lse[3].item() == float("-inf") and arg[3].item() == 0
+
+
 CPU_SAMPLE = [dict(mode="race", V=5000, S=6), dict(mode="race", seed=1),
               dict(mode="topk", seed=2), dict(mode="sorted", seed=3),
               dict(mode="sorted", V=2500, S=4, seed=4)]
@@ -175,6 +198,7 @@ def run_cpu_cases() -> None:
     for case in CPU_SAMPLE:
         check_sample(**case)
     check_penalties()
+    check_row_stats()
     check_noise_is_exponential()
     check_philox_race()
     check_sampler_plumbing()
@@ -256,6 +280,13 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("S", [1, 64])
 def test_sample_cuda(mode, S):
     check_sample(S, 151936, "cuda", seed=S, mode=mode)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("S,V", [(1, 128256), (7, 151936), (64, 32000)])
+def test_row_stats_cuda(S, V):
+    check_row_stats(S, V, "cuda", seed=S)
 
 
 @pytest.mark.gpu
