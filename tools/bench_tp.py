@@ -81,6 +81,10 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
         res["batch64_tpot_ms"] = b64["tpot_ms"]
         res["all_full_length"] = b1["all_full_length"] and b64["all_full_length"]
         res["failed"] = b1["failed"] + b64["failed"]
+        log.flush()
+        res["allreduce"] = sorted({line.split("all-reduce:", 1)[1].strip() for line in
+                                   (work / f"serve-tp{tp}.log").read_text().splitlines()
+                                   if "all-reduce:" in line})
         return res
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -107,7 +111,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cvllm-tp-"))
     folder = bm.write_model_folder(work / "model", bm.build_config())
     report: Dict[str, Any] = {
-        "schema": "cvllm-bench-tp/1", "command": " ".join(["python"] + sys.argv),
+        "schema": "cvllm-bench-tp/1", "command": " ".join(
+            ([f"CVLLM_ALLREDUCE={os.environ['CVLLM_ALLREDUCE']}"]
+             if os.environ.get("CVLLM_ALLREDUCE") else []) + ["python"] + sys.argv),
         "device": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
         "model": "Llama-3.1-8B shape, bf16, random weights", "runs": []}
     out = Path(args.out)

@@ -6,7 +6,8 @@ the group comes from ``parallel_state.get_tp_group()``. With one TP rank every c
 is the identity and touches no ``torch.distributed`` state. The group is either a
 ``torch.distributed`` ProcessGroup (NCCL on GPUs, gloo on the CPU) or, under
 ``--multithread``, an ``inprocess.InProcessRankGroup`` (an ``InProcessGroup`` is accepted
-too: the rank then comes from the coordinator).
+too: the rank then comes from the coordinator). Small all-reduces between the NVLink
+peers of one node go through ``symm_allreduce`` when it was enabled at start-up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cvllm.distributed import parallel_state
+from cvllm.distributed import parallel_state, symm_allreduce
 from cvllm.distributed.inprocess import InProcessGroup, InProcessRankGroup
 
 
@@ -28,13 +29,17 @@ def _inprocess(group: Any, rank: int) -> InProcessRankGroup | None:
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the TP group (in place when the group has several ranks)."""
+    """Sum ``x`` over the TP group; use the returned tensor (in place through NCCL or
+    gloo, a new tensor through ``symm_allreduce`` for small GPU tensors)."""
     group = parallel_state.get_tp_group()
     if group.world_size == 1:
         return x
     local = _inprocess(group.device_group, group.rank_in_group)
     if local is not None:
         return local.all_reduce(x)
+    fast = symm_allreduce.active()
+    if fast is not None and fast.accepts(x):
+        return fast.all_reduce(x)  # small tensors between NVLink peers: a new tensor
     import torch.distributed as dist
 
     dist.all_reduce(x, group=group.device_group)
