@@ -118,10 +118,10 @@ def test_sigterm_drains_then_stops_every_rank(tiny_llama, tmp_path):
         server.stop()
 
 
-def _check_fault_ends_job(proc, started: float) -> None:
+def _check_fault_ends_job(proc, started: float, rank: int = 1) -> None:
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.time() - started < 60
-    assert "fault injected on rank 1 at step 3" in proc.stderr, proc.stderr[-3000:]
+    assert f"fault injected on rank {rank} at step 3" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_exception_on_rank1_ends_spawned_job(tiny_llama):
@@ -137,3 +137,17 @@ def test_exception_on_rank1_ends_mpirun_job(tiny_llama):
     proc = run_generate(mpirun_cmd(2), generate_args(["--w", str(tiny_llama)], TINY_PROMPTS, 12),
                         timeout=90, env=mpi_env({"CVLLM_FAULT_INJECT": "rank=1,step=3"}))
     _check_fault_ends_job(proc, started)
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "mpirun"])
+def test_exception_on_rank0_ends_job(tiny_llama, launcher):
+    """Rank 0's own step failure (it broadcasts, then fails) ends every rank too."""
+    started = time.time()
+    env = mpi_env({"CVLLM_FAULT_INJECT": "rank=0,step=3"})
+    if launcher == "spawn":
+        proc = run_generate(CVLLM, generate_args(["--w", str(tiny_llama), "--d", "0,1"],
+                                                 TINY_PROMPTS, 12), timeout=90, env=env)
+    else:
+        proc = run_generate(mpirun_cmd(2), generate_args(["--w", str(tiny_llama)],
+                                                         TINY_PROMPTS, 12), timeout=90, env=env)
+    _check_fault_ends_job(proc, started, rank=0)
