@@ -61,7 +61,8 @@ class SymmAllReduce:
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        # torch's one-shot kernel takes bf16 and float32 only (fp16 models stay on NCCL).
+        return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32)
                 and x.is_contiguous() and 0 < x.numel() * x.element_size() <= self.max_bytes)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,14 +130,22 @@ def maybe_enable(group: Any, cpu_group: Any, device: torch.device, rank: int, wo
     impl, err = None, ""
     try:
         impl = SymmAllReduce(group, device)
-        probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
-        got = impl.all_reduce(probe)
-        want = float(world_size * (world_size + 1) // 2)
-        torch.cuda.synchronize(device)
-        if not bool((got == want).all()):
-            err = f"test sum {got[0].item()} != {want}"
-    except Exception as e:  # allocation, rendezvous or kernel failure on this rank
+    except Exception as e:  # allocation or buffer exchange failed on this rank
         err = f"{type(e).__name__}: {e}"
+    # Every rank has its buffer before any rank launches the test kernel (which waits
+    # for all its peers): a rank that failed above must not leave the others spinning.
+    if agree(not err):
+        probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
+        try:
+            got = impl.all_reduce(probe)
+            want = float(world_size * (world_size + 1) // 2)
+            torch.cuda.synchronize(device)
+            if not bool((got == want).all()):
+                err = f"test sum {got[0].item()} != {want}"
+        except Exception as e:  # the kernel failed on this rank
+            err = f"{type(e).__name__}: {e}"
+    else:
+        err = err or "failed on another rank"
     if not agree(not err):
         logger.warning("all-reduce: NCCL (symmetric memory failed: %s)",
                        err or "failed on another rank")

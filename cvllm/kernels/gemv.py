@@ -119,6 +119,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     xv = x.reshape(k)
     if xv.stride(0) != 1:
         xv = xv.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()  # the kernel reads it with unit stride
     y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)  # [.., N]
     if n == 0:
         return y
@@ -141,4 +143,4 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
             and x.numel() == x.shape[-1] and weight.dim() == 2
             and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
-            and weight.numel() >= (1 << 20))
+            and weight.numel() >= (1 << 20) and weight.shape[1] <= MAX_K)

@@ -428,7 +428,10 @@ def decode_attention(
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         DIRECT=direct, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_block_d(D),
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
-        FP8=fp8, FUSED_MERGE=fused, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        # BLOCK_S is a compile-time constant: fixed when unused, so eager decodes whose
+        # split count changes with the context do not compile new variants.
+        FP8=fp8, FUSED_MERGE=fused,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused and not direct else 2,
         num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
     )
     if not direct and not fused:

@@ -92,6 +92,7 @@ def _row_stats_combine_kernel(
     finite = m > float("-inf")
     w = tl.exp(m_b - tl.where(finite, m, 0.0))  # 0 for empty slices and padding
     lse = tl.where(finite, m + tl.log(tl.sum(s_b * w, axis=0)), float("-inf"))
+    lse = tl.where(m == float("inf"), float("inf"), lse)  # torch: logsumexp of +inf is +inf
     tl.store(max_ptr + row, m)
     tl.store(arg_ptr + row, arg.to(tl.int64))
     tl.store(lse_ptr + row, lse)
@@ -100,7 +101,7 @@ def _row_stats_combine_kernel(
 def row_stats(logits: torch.Tensor):
     """``logits [S, V]`` float32 -> ``(max [S] float32, argmax [S] int64, lse [S] float32)``:
     ``torch.max(dim=-1)`` (first index on ties) and ``torch.logsumexp(dim=-1)`` of finite
-    or ``-inf`` logits (NaN is not handled: logits never hold it)."""
+    or infinite logits (NaN is not handled: logits never hold it)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V]; got {tuple(logits.shape)}")
     _check_matrix("logits", logits, logits, (torch.float32,))

@@ -41,8 +41,12 @@ def check_gemv(n, k, dtype=torch.float16, device="cpu", bias=False, config=None)
     # output, plus float32 summation noise on outputs of magnitude ~1.
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tol, rtol=tol)
-    # A 1-D x gives a 1-D y.
+    # A 1-D x gives a 1-D y; a strided bias view reads right.
     assert gemv(x[0], w, b, config=config).shape == (n,)
+    if b is not None:
+        wide = torch.stack([b, torch.zeros_like(b)], dim=1)  # [n, 2]
+        torch.testing.assert_close(gemv(x, w, wide[:, 0], config=config).float().cpu(),
+                                   want.float().cpu(), atol=tol, rtol=tol)
 
 
 CPU_CASES = [

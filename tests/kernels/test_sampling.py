@@ -178,6 +178,8 @@ def check_row_stats(S=5, V=9000, device="cpu", seed=0):
         x[1, V - 1] = 60.0  # in the ragged last slice
         x[2, 10:4000] = float("-inf")
         x[3] = float("-inf")
+    if S > 4:
+        x[4, 7] = float("inf")  # logsumexp +inf, argmax at the +inf
     x = x.to(device)
     m, arg, lse = row_stats(x)
     want_m, want_arg = x.max(dim=-1)
