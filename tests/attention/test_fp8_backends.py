@@ -14,9 +14,6 @@ CPU: under ``TRITON_INTERPRET=1`` in a subprocess.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,6 +29,7 @@ from cvllm.attention.kv_cache import (
 )
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.kernels import reference as ref
+from tests.interpreted import run_interpreted
 
 FP8 = torch.float8_e4m3fn
 BS = 16
@@ -91,10 +89,7 @@ def run_fp8_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16, atol=2e-
 
 def test_fp8_backends_interpreted_on_cpu():
     code = "from tests.attention.test_fp8_backends import run_fp8_case; run_fp8_case()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def test_torch_ref_calibrates_once_and_reset_rearms():

@@ -13,9 +13,6 @@ why); the ``gpu`` test runs it compiled at model-like sizes.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -25,6 +22,7 @@ import torch
 
 from cvllm.attention.backends import torch_ref
 from cvllm.attention.metadata import AttentionMetadata
+from tests.interpreted import run_interpreted
 
 MIXED = [(9, 1), (0, 1), (30, 1), (0, 13), (7, 5), (21, 1), (0, 2), (40, 3)]
 """(cached context, new tokens): three decodes, then prefills, chunks and a decode row."""
@@ -144,10 +142,7 @@ def run_cpu_cases() -> None:
 
 def test_backend_matches_torch_ref_interpreted_on_cpu():
     code = "from tests.attention.test_triton_backend import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def test_rejects_short_block_tables():

@@ -9,15 +9,12 @@ bf16/fp16/fp32 and through the layers.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels.reference import ACT_AND_MUL, act_and_mul_ref
 from cvllm.layers.activation import get_act_and_mul_fn
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 # act(gate) is rounded like torch's; the activation's last bit may differ: ~1 ulp.
@@ -51,10 +48,7 @@ def run_cpu_cases() -> None:
 
 def test_kernel_interpreted_on_cpu():
     code = "from tests.kernels.test_activation import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 @pytest.mark.parametrize("hidden_act,activation", [

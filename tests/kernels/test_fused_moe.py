@@ -8,15 +8,12 @@ every block dimension, experts with no tokens, a token count of 1 (decode).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels.reference import fused_moe_ref
 from cvllm.layers.moe import select_experts
+from tests.interpreted import run_interpreted
 
 # (tokens, hidden, intermediate, experts, top_k, activation)
 CASES = [(1, 32, 16, 8, 2, "silu"), (7, 48, 40, 8, 2, "silu"), (19, 32, 24, 6, 3, "gelu")]
@@ -93,10 +90,7 @@ def test_kernel_interpreted_on_cpu(case):
     """Runs the Triton kernel on the CPU under the interpreter, in a fresh interpreter
     process (TRITON_INTERPRET must be set before triton compiles anything)."""
     code = (f"from tests.kernels.test_fused_moe import _check_case; _check_case({case!r})")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted(code, timeout=120, tail=3000)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,14 +9,11 @@ in bf16 and check the layers route a single row to it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels.reference import gemv_ref
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 
@@ -63,10 +60,7 @@ def run_cpu_cases() -> None:
 
 def test_kernel_interpreted_on_cpu():
     code = "from tests.kernels.test_gemv import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def test_plan_covers_the_sms_and_bounds_the_tile():

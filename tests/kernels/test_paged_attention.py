@@ -13,9 +13,6 @@ permutation, so block tables are never contiguous.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -23,6 +20,7 @@ import pytest
 import torch
 
 from cvllm.kernels import reference as ref
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
@@ -182,10 +180,7 @@ def run_cpu_cases(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_kernels_interpreted_on_cpu(kind):
     code = f"from tests.kernels.test_paged_attention import run_cpu_cases; run_cpu_cases({kind!r})"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def test_references_agree_with_each_other():

@@ -19,14 +19,11 @@ a scale applied on the wrong side, or not at all, fails. The CPU cases run under
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels import reference as ref
+from tests.interpreted import run_interpreted
 from tests.kernels.test_paged_attention import assert_close, make_paged
 
 CUDA = torch.cuda.is_available()
@@ -135,10 +132,7 @@ def run_cpu_cases() -> None:
 
 def test_fp8_kernels_interpreted_on_cpu():
     code = "from tests.kernels.test_paged_attention_fp8 import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def test_reference_quantize_saturates_and_round_trips():

@@ -10,15 +10,12 @@ model-sized rows in bf16/fp16/fp32, and through the layers.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels.reference import rms_norm_ref
 from cvllm.layers.layernorm import GemmaRMSNorm, RMSNorm
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 # Outputs may differ by one rounding of the result (the sum's order differs).
@@ -89,10 +86,7 @@ def run_cpu_cases() -> None:
 
 def test_kernel_interpreted_on_cpu():
     code = "from tests.kernels.test_rmsnorm import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

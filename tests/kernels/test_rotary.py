@@ -11,15 +11,12 @@ the ``gpu`` tests run it compiled with model-sized heads in bf16/fp16/fp32.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cvllm.kernels.reference import rotary_embedding_ref
 from cvllm.layers.rotary import get_rope
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 # (atol, rtol). The kernel rounds once where torch rounds each product and the sum: up to
@@ -99,10 +96,7 @@ def run_cpu_cases() -> None:
 
 def test_kernel_interpreted_on_cpu():
     code = "from tests.kernels.test_rotary import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 @pytest.mark.parametrize("neox", [True, False])

@@ -11,10 +11,6 @@ vocabularies; the ``gpu`` tests use a 151936-token vocabulary and the real Sampl
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
@@ -23,6 +19,7 @@ import triton.language as tl
 from cvllm.kernels import reference as ref
 from cvllm.kernels.sampling import _exp_noise
 from cvllm.layers.sampler import Sampler, SamplingTensors
+from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 
@@ -208,10 +205,7 @@ def run_cpu_cases() -> None:
 
 def test_kernels_interpreted_on_cpu():
     code = "from tests.kernels.test_sampling import run_cpu_cases; run_cpu_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreted(code)
 
 
 def _tensors_from_rows(rows, V):
