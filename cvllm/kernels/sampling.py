@@ -323,6 +323,7 @@ def sample(
     truncate_width: Optional[int] = None,
     do_top_p: bool = True,
     noise: Optional[torch.Tensor] = None,
+    row_max_argmax: Optional[tuple] = None,
 ) -> torch.Tensor:
     """One token per row of the (penalized) ``logits [S, V]`` float32 -> ``[S]`` int64; the
     contract of ``reference.sample_ref``. Per-row ``[S]`` tensors: ``temperature`` float32
@@ -332,7 +333,8 @@ def sample(
     Host-side plan, known without a sync: ``truncate_width`` None when no sampled row
     uses top-k or top-p; otherwise how many of each row's largest logits can survive
     (the largest top-k of the sampled rows, or V). ``do_top_p``: some row has top_p < 1.
-    ``noise [S, V]`` float32 replaces the Philox draw (tests)."""
+    ``noise [S, V]`` float32 replaces the Philox draw (tests). ``row_max_argmax``: the
+    first two outputs of ``row_stats(logits)`` when the caller already has them."""
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 is_greedy=is_greedy, seeds=seeds)
     want = {"temperature": (temperature, torch.float32), "top_k": (top_k, torch.int64),
@@ -348,7 +350,7 @@ def sample(
         return torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
     if truncate_width is not None and not 0 < truncate_width <= vocab:
         raise ValueError(f"truncate_width must be in 1..{vocab}; got {truncate_width}")
-    row_max, greedy_tokens, _ = row_stats(logits)  # [S], [S]; first index on ties
+    row_max, greedy_tokens = row_max_argmax or row_stats(logits)[:2]  # [S], [S]; first on ties
     greedy = is_greedy.view(torch.uint8)
     noise_arg = noise if noise is not None else logits
     if truncate_width is None:

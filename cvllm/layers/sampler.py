@@ -219,19 +219,15 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2 or logits.shape[0] != t.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
         raw = logits
-        if logits.is_cuda and logits.dtype == torch.float32:
+        if logits.is_cuda:
             from cvllm.kernels.sampling import row_stats
 
-            # One pass gives the greedy tokens of unpenalized rows and the logprob
-            # normaliser (torch's single-row argmax / logsumexp are slow at batch 1).
-            _, raw_argmax, lse = row_stats(raw)
-            if t.all_greedy and not (t.do_repetition or t.do_freq_presence):
-                sampled = raw_argmax
-            else:
-                sampled = self._sample_on_gpu(logits, t)
-            return self._logprobs(raw, sampled, num_logprobs, lse)
-        if logits.is_cuda:
-            return self._logprobs(raw, self._sample_on_gpu(logits, t), num_logprobs)
+            raw = logits.float()
+            # One pass gives the row max, greedy tokens and logprob normaliser (torch's
+            # single-row argmax / logsumexp are slow at batch 1); sampling reuses them.
+            stats = row_stats(raw)  # (max, argmax, lse), each [S]
+            return self._logprobs(raw, self._sample_on_gpu(raw, t, stats), num_logprobs,
+                                  stats[2])
         logits = apply_penalties(logits, t)
         sampled = logits.argmax(dim=-1)  # [S]
         if not t.all_greedy:
@@ -239,9 +235,11 @@ class Sampler(torch.nn.Module):
             sampled = torch.where(t.is_greedy, sampled, random) if t.any_greedy else random
         return self._logprobs(raw, sampled, num_logprobs)
 
-    def _sample_on_gpu(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    def _sample_on_gpu(self, logits: torch.Tensor, t: SamplingTensors,
+                       stats: Optional[tuple] = None) -> torch.Tensor:
         """``forward``'s steps in Triton kernels: no [S, V] probs or noise in memory, and
-        one launch for every seeded row instead of one generator each."""
+        one launch for every seeded row instead of one generator each. ``stats``:
+        ``row_stats(logits)`` when the caller has it (recomputed after penalties)."""
         from cvllm.kernels import sampling as ks
 
         logits = logits.float()
@@ -250,12 +248,15 @@ class Sampler(torch.nn.Module):
                 logits, t.output_counts, t.prompt_mask if t.do_repetition else None,
                 t.repetition_penalty, t.frequency_penalty if t.do_freq_presence else None,
                 t.presence_penalty)
+            stats = None
+        if stats is None:
+            stats = ks.row_stats(logits)
         if t.all_greedy:
-            return logits.argmax(dim=-1)
+            return stats[1]
         width = (t.max_top_k or logits.shape[-1]) if (t.do_top_k or t.do_top_p) else None
         return ks.sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.is_greedy,
                          self._row_keys(t, logits.device), truncate_width=width,
-                         do_top_p=t.do_top_p)
+                         do_top_p=t.do_top_p, row_max_argmax=stats[:2])
 
     def _row_keys(self, t: SamplingTensors, device: torch.device) -> torch.Tensor:
         """[S] int64 Philox keys: seeded rows mix (seed, output_index) as the torch path
