@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels import pdl
+from cvllm.kernels.pdl import gdc_launch_dependents
+
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -24,9 +27,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_out,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row ``pid0``, columns ``pid1 * BLOCK ..``: ``out = act(x[:, :I]) * x[:, I:]``."""
+    if PDL:
+        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -66,6 +71,6 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x2, out.view(rows, inter), inter, x2.stride(0), inter,
-        ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=4,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK=block, PDL=pdl.enabled(x), num_warps=4,
     )
     return out

@@ -16,7 +16,9 @@ this kernel 2720 / 2573 / 3015 / 2847 / 3145 GB/s (copy: 2956 GB/s). Here one pr
 so there is no second kernel and no cross-program traffic; ``BLOCK_N`` is picked so the
 grid covers the SMs several times over (``plan``). The weight loads are marked
 evict-first: every byte is used once, and the vector ``x`` (re-read by every program)
-stays in L2.
+stays in L2. On Hopper the kernel is launched with programmatic dependent launch
+(``kernels/pdl.py``): its first weight tile is in flight before the kernel that writes
+``x`` has finished.
 
 Numerics: float32 accumulation of the 16-bit products, one rounding to the output dtype
 (cuBLAS does the same, in a different summation order), so results equal ``F.linear`` up
@@ -32,42 +34,65 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels import pdl
+from cvllm.kernels.pdl import gdc_wait
+
 _DTYPES = (torch.float16, torch.bfloat16)
 _TILE = 8192
 """Weight elements one program loads per K step."""
+_SMALL_BYTES = 64 << 20
+"""Weights smaller than this take narrower K steps (more programs in flight)."""
 MAX_K = 1 << 20
 """Longest row this kernel takes (a sanity bound: the grid is over N, K is looped)."""
+
+
+@triton.jit
+def _load_w(w_ptrs, k0, offs_k, nmask, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at K offset ``k0`` (read once: evict first)."""
+    if EVEN_K:
+        if EVEN_N:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        kmask = (k0 + offs_k) < K
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _load_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
+    """``x[k0 : k0 + BLOCK_K]`` as float32 (every program reads it: keep it in L2)."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
+    else:
+        x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0,
+                    eviction_policy="evict_last")
+    return x.to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Rows ``pid * BLOCK_N ..`` of ``y = W @ x (+ b)``; ``W [N, K]`` row-major."""
+    """Rows ``pid * BLOCK_N ..`` of ``y = W @ x (+ b)``; ``W [N, K]`` row-major. With PDL
+    the first weight tile is loaded before waiting for the kernel that writes x."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
-            if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0,
-                            eviction_policy="evict_first")
-        else:
-            kmask = (k0 + offs_k) < K
-            x = tl.load(x_ptr + k0 + offs_k, mask=kmask, other=0.0,
-                        eviction_policy="evict_last")
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w = _load_w(w_ptrs, 0, offs_k, nmask, K, EVEN_N, EVEN_K)
+    if PDL:
+        gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
+    acc = w.to(tl.float32) * _load_x(x_ptr, 0, offs_k, K, EVEN_K)[None, :]  # [BN, BK]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        w = _load_w(w_ptrs, k0, offs_k, nmask, K, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * _load_x(x_ptr, k0, offs_k, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -81,12 +106,16 @@ def _num_sms(device_index: int) -> int:
 
 def plan(n: int, k: int, num_sms: int) -> Tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[n, k]`` weight: 8192-element (16 KiB)
-    weight tiles, as wide along K as the row allows (up to 2048), with 4 warps, the best
-    config for every 8B decoder shape and its TP halves in the H100 sweep
-    (docs/benchmarks/kernels-h100.json); the row block halves (down to one row) while
-    the grid would leave SMs idle. Fixed by shape alone, so every call with one shape sums
-    in the same order (outputs do not depend on timing or the CUDA graph)."""
-    block_k = max(64, min(triton.next_power_of_2(k), 2048))
+    weight tiles with 4 warps, as wide along K as the row allows: up to 2048 (the best
+    config for every 8B decoder shape and its TP halves in the H100 sweep,
+    docs/benchmarks/kernels-h100.json), but 1024 for weights under ``_SMALL_BYTES``
+    (the tensor-parallel halves of qkv / o_proj / down: 2-10% faster on an H200,
+    docs/benchmarks/kernels-h200.json, within 2% of the best on the H100). The row
+    block halves (down to one row) while the grid would leave SMs idle. Fixed by shape
+    alone, so every call with one shape sums in the same order (outputs do not depend on
+    timing or the CUDA graph)."""
+    widest = 1024 if n * k * 2 < _SMALL_BYTES else 2048
+    block_k = max(64, min(triton.next_power_of_2(k), widest))
     block_n = max(1, min(16, _TILE // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < num_sms:
         block_n //= 2
@@ -128,10 +157,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
         config = plan(n, k, sms)
     block_n, block_k, warps = config
+    use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         xv, weight, bias if bias is not None else xv, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 

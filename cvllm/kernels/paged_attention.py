@@ -49,6 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels import pdl
+from cvllm.kernels.pdl import gdc_launch_dependents
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
@@ -236,10 +239,12 @@ def _decode_kernel(
     DIRECT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
-    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
     of its visible keys ``[start, seq_len)``."""
+    if PDL:
+        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if FP8:
         scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
@@ -297,9 +302,11 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, head_dim, stride_ob, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """``out[b, h] = sum_s 2**lse_s * o_s / sum_s 2**lse_s`` over the splits."""
+    if PDL:
+        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     b, h = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -335,6 +342,7 @@ def merge_attention_partials(
         _merge_kernel[(B, H)](
             part_out, part_lse, out, S, H, D, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+            PDL=pdl.enabled(out),
         )
     return out
 
@@ -430,7 +438,7 @@ def decode_attention(
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
         # BLOCK_S is a compile-time constant: fixed when unused, so eager decodes whose
         # split count changes with the context do not compile new variants.
-        FP8=fp8, FUSED_MERGE=fused,
+        FP8=fp8, FUSED_MERGE=fused, PDL=pdl.enabled(q),
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused and not direct else 2,
         num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
     )

@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels import pdl
+from cvllm.kernels.pdl import gdc_launch_dependents
+
 MAX_HIDDEN = 65536
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -36,10 +39,13 @@ def _rms_norm_kernel(
     N, eps,
     stride_x, stride_res, stride_out, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row ``pid``: ``out = norm(x [+ res]) * w`` (see the module docstring for roundings);
     with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
     may alias ``x``: every element is read before its own row is written."""
+    if PDL:
+        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -128,7 +134,7 @@ def rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, o2, ro2, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-            HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block, PDL=pdl.enabled(x),
             num_warps=min(max(block // 512, 1), 16),
         )
     return out if residual is None else (out, residual_out)

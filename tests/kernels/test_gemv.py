@@ -72,6 +72,11 @@ def test_plan_covers_the_sms_and_bounds_the_tile():
         assert bn >= 1 and bk >= 64 and bn * bk <= 16384 and warps in (1, 2, 4, 8)
         assert -(-n // bn) >= 132 or bn == 1
     assert plan(4096, 4096, 132) == plan(4096, 4096, 132)  # deterministic
+    # The sweeps' choices: wide K steps for large weights, 1024 under 64 MiB (TP halves).
+    assert plan(28672, 4096, 132) == (4, 2048, 4)
+    assert plan(4096, 14336, 132) == (4, 2048, 4)
+    assert plan(4096, 2048, 132) == (8, 1024, 4)
+    assert plan(4096, 7168, 132) == (8, 1024, 4)
 
 
 def test_wrapper_rejects_bad_inputs():

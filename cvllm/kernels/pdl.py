@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): a kernel may start while the
+one before it on the stream is finishing, and waits only where it reads that kernel's
+results.
+
+Used by ``kernels/gemv.py``: a batch-1 GEMV is a pure weight stream, and weights never
+depend on the kernel before it, so each program loads its first weight tile, then waits
+(``gdc_wait``) before it reads the input row. The kernels that precede a GEMV in a decoder
+step (RMSNorm, the custom all-reduce, attention's decode and merge, the gated activation)
+call ``gdc_launch_dependents`` as they start, which lets the GEMV's programs take the SMs
+they leave idle: its weight stream overlaps their tail and, at TP > 1, the all-reduce's
+wait for its peers. Launched without PDL, or followed by a kernel that is, the trigger
+does nothing. CUDA graphs keep the dependency (as a programmatic edge).
+
+Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
+kernel writes (weights) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    HAVE_GDC = True
+except ImportError:  # an older Triton: no PDL (kernels only name these under PDL=True)
+    gdc_launch_dependents = gdc_wait = None
+    HAVE_GDC = False
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(device_index: int) -> bool:
+    if os.environ.get("CVLLM_PDL", "1").strip() == "0" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device use PDL: an NVIDIA device of compute capability
+    9+ (griddepcontrol), a Triton that has it, not the interpreter, and ``CVLLM_PDL`` not
+    0 (read once per process)."""
+    if not x.is_cuda or not HAVE_GDC or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _device_ok(x.device.index if x.device.index is not None
+                      else torch.cuda.current_device())
