@@ -3,12 +3,12 @@
 Each function here is the CPU path of its op or the oracle its Triton kernel is tested
 against; same arguments, same results up to float rounding. No state, no device logic;
 written for obviousness, not speed. Sections: fused MoE, gated DeltaNet, paged attention,
-RMSNorm, rotary embedding, gated activations, sampling.
+RMSNorm, all-reduce, rotary embedding, gated activations, sampling.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -316,6 +316,24 @@ def rms_norm_ref(
     else:
         out = (weight.float() * normed.to(dtype).float()).to(dtype)
     return out if residual is None else (out, residual)
+
+
+# ----------------------------------------------------------------- all-reduce
+def all_reduce_ref(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of every rank's tensor, in float32 in rank order, rounded once to the
+    inputs' dtype. Oracle of ``kernels/allreduce.py`` without the norm."""
+    acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for p in parts:
+        acc += p.float()
+    return acc.to(parts[0].dtype)
+
+
+def all_reduce_rms_norm_ref(parts: Sequence[torch.Tensor], residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float):
+    """``rms_norm_ref(all_reduce_ref(parts), weight, eps, residual)``: what a rank gets
+    from the all-reduce followed by the decoder's add + RMSNorm. Oracle of
+    ``kernels/allreduce.py`` with the norm."""
+    return rms_norm_ref(all_reduce_ref(parts), weight, eps, residual)
 
 
 # ----------------------------------------------------------------- rotary embedding
