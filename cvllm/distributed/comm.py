@@ -7,16 +7,17 @@ is the identity and touches no ``torch.distributed`` state. The group is either 
 ``torch.distributed`` ProcessGroup (NCCL on GPUs, gloo on the CPU) or, under
 ``--multithread``, an ``inprocess.InProcessRankGroup`` (an ``InProcessGroup`` is accepted
 too: the rank then comes from the coordinator). Small all-reduces between the NVLink
-peers of one node go through ``symm_allreduce`` when it was enabled at start-up.
+peers of one node go through ``custom_allreduce`` when it was enabled at start-up, which
+can also fuse the residual add + RMSNorm that follows (``all_reduce_rms_norm``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Tuple
 
 import torch
 
-from cvllm.distributed import parallel_state, symm_allreduce
+from cvllm.distributed import custom_allreduce, parallel_state
 from cvllm.distributed.inprocess import InProcessGroup, InProcessRankGroup
 
 
@@ -30,20 +31,35 @@ def _inprocess(group: Any, rank: int) -> InProcessRankGroup | None:
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP group; use the returned tensor (in place through NCCL or
-    gloo, a new tensor through ``symm_allreduce`` for small GPU tensors)."""
+    gloo, a new tensor through ``custom_allreduce`` for small GPU tensors)."""
     group = parallel_state.get_tp_group()
     if group.world_size == 1:
         return x
     local = _inprocess(group.device_group, group.rank_in_group)
     if local is not None:
         return local.all_reduce(x)
-    fast = symm_allreduce.active()
+    fast = custom_allreduce.active()
     if fast is not None and fast.accepts(x):
         return fast.all_reduce(x)  # small tensors between NVLink peers: a new tensor
     import torch.distributed as dist
 
     dist.all_reduce(x, group=group.device_group)
     return x
+
+
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one kernel when
+    the custom all-reduce takes these tensors (``residual`` is updated in place), else
+    None: the caller then all-reduces and normalises itself. The roundings are those of
+    ``tensor_model_parallel_all_reduce`` followed by ``layers.layernorm.RMSNorm``."""
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1 or _inprocess(group.device_group, group.rank_in_group) is not None:
+        return None
+    fast = custom_allreduce.active()
+    if fast is None or not fast.accepts_norm(x, residual, weight):
+        return None
+    return fast.all_reduce_rms_norm(x, residual, weight, eps)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

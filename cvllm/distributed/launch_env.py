@@ -398,10 +398,10 @@ def _init_torch_groups(env: LaunchEnv, device, timeout_s: float) -> None:
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else world
     parallel_state.initialize_model_parallel(env.rank, env.world_size, world, cpu_group)
     if backend == "nccl" and env.world_size > 1:
-        from cvllm.distributed import symm_allreduce
+        from cvllm.distributed import custom_allreduce
 
-        symm_allreduce.maybe_enable(world, cpu_group, device, env.rank, env.world_size,
-                                    single_node=env.num_nodes == 1)
+        custom_allreduce.maybe_enable(world, cpu_group, device, env.rank, env.world_size,
+                                      single_node=env.num_nodes == 1)
 
 
 def shutdown_distributed() -> None:
@@ -409,9 +409,9 @@ def shutdown_distributed() -> None:
     from cvllm.distributed import parallel_state
 
     parallel_state.destroy_model_parallel()
-    from cvllm.distributed import symm_allreduce
+    from cvllm.distributed import custom_allreduce
 
-    symm_allreduce.disable()
+    custom_allreduce.disable()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
