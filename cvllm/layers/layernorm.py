@@ -5,7 +5,9 @@ LayerNorm (with or without bias) for the families that use it (Phi, StableLM), a
 Built by the model classes; the weight is replicated on every rank (``PerHeadLayerNorm``
 holds only this rank's heads, which its weight loader picks). On CUDA the RMSNorms
 run the Triton kernel ``kernels/rmsnorm.py`` (same roundings, add and norm in one pass);
-elsewhere the torch code below.
+elsewhere the torch code below. ``RMSNorm(x, residual, reduce=True)`` first sums a
+row-parallel layer's partial ``x`` over the TP group (``distributed/comm.py``), fused with
+the add and norm where the custom all-reduce runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.distributed.comm import all_reduce_rms_norm, tensor_model_parallel_all_reduce
 from cvllm.layers.utils import copy_checked, default_weight_loader
 from cvllm.quantization.base import set_weight_attrs
 
@@ -40,10 +43,20 @@ class RMSNorm(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``.
-        The add is in the model dtype, as in HF's decoder layers."""
+        The add is in the model dtype, as in HF's decoder layers. ``reduce``: ``x`` is
+        this rank's partial sum of a row-parallel layer (``reduce_results=False``),
+        summed over the TP group first; with a residual, in one kernel where
+        ``comm.all_reduce_rms_norm`` takes it (that kernel writes the new residual into
+        ``residual``; callers use the returned one either way)."""
+        if reduce:
+            if residual is not None:
+                fused = all_reduce_rms_norm(x, residual, self.weight, self.variance_epsilon)
+                if fused is not None:
+                    return fused
+            x = tensor_model_parallel_all_reduce(x)
         if _use_triton(x, self.weight, residual):
             from cvllm.kernels.rmsnorm import rms_norm
 

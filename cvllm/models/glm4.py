@@ -32,6 +32,7 @@ class Glm4Attention(LlamaAttention):
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
     attention_cls = Glm4Attention
+    reduce_in_norm = False  # the post-attention / post-MLP norms need whole sums
 
     def __init__(self, config, rotary_emb, dtype, quant_config, prefix, sliding_window):
         super().__init__(config, rotary_emb, dtype, quant_config, prefix, sliding_window)

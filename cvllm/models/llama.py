@@ -141,6 +141,10 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     # Families that differ only in attention (Qwen2 biases, Qwen3 q/k norms) swap this.
     attention_cls = LlamaAttention
+    # o_proj and down_proj return partial sums; the RMSNorm after each sums them over
+    # the TP group (one kernel with the add and norm where comm can). A subclass whose
+    # forward or norms differ sets this False and keeps the reduction in the linears.
+    reduce_in_norm = True
 
     def __init__(
         self,
@@ -159,6 +163,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        if self.reduce_in_norm:
+            self.self_attn.o_proj.reduce_results = False
+            self.mlp.down_proj.reduce_results = False
 
     def forward(
         self,
@@ -168,13 +175,17 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+        """Returns ``(delta, residual)``; the next norm adds them (``delta`` is this
+        rank's partial sum when ``reduce_in_norm``)."""
+        if residual is None:  # the embedding's output: already whole
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual,
+                                                           reduce=self.reduce_in_norm)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual,
+                                                                reduce=self.reduce_in_norm)
         return self.mlp(hidden_states), residual
 
 
@@ -234,7 +245,10 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
-        hidden_states, _ = self.norm(hidden_states, residual)
+        if getattr(self.decoder_layer_cls, "reduce_in_norm", False):
+            hidden_states, _ = self.norm(hidden_states, residual, reduce=True)
+        else:
+            hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 

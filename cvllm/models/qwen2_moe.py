@@ -125,6 +125,7 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm residual layer (its forward) with a sparse or dense MLP."""
 
     attention_cls = Qwen2MoeAttention
+    reduce_in_norm = False  # the sparse block reduces inside; its __init__ is not Llama's
 
     def __init__(self, config: ModelConfig, rotary_emb, dtype: torch.dtype,
                  quant_config: Optional[QuantizationConfig], prefix: str,

@@ -61,6 +61,7 @@ class StableLmAttention(LlamaAttention):
 
 class StableLmDecoderLayer(LlamaDecoderLayer):
     attention_cls = StableLmAttention
+    reduce_in_norm = False  # LayerNorms, and the parallel residual adds before any norm
 
     def __init__(self, config, rotary_emb, dtype, quant_config, prefix, sliding_window):
         super().__init__(config, rotary_emb, dtype, quant_config, prefix, sliding_window)
