@@ -20,7 +20,9 @@ detokenizer). Figures, each with its ceiling:
 - the ceilings: device-to-device copy bandwidth ((read + written bytes) / time) and a
   large square matmul, CUDA events, median; measured before and after the engine runs;
 - the peer: the same decode workload through transformers' ``generate_batch``
-  (``bench_hf_peer.py``, in a child process run first, so the two never share memory).
+  (``bench_hf_peer.py``, in a child process run first, so the two never share memory);
+- with ``--tp 1,2[,4]``: the model served at each tensor-parallel size
+  (``tools/bench_tp.py``): batch-1 decode speed-up and batch-64 throughput scaling.
 
 Every phase is time-bounded (a decode phase past its limit reports the window measured
 so far, with ``truncated: true``), prints progress, and the JSON report (``--out``) is
@@ -89,6 +91,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
                         help=f"full mode: {value}")
     ap.add_argument("--no-hf-peer", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--tp", default=None, metavar="SIZES",
+                    help="also tensor-parallel serving at these sizes, e.g. 1,2,4 "
+                         "(tools/bench_tp.py: batch-1 speed-up and batch-64 scaling)")
     ap.add_argument("--gpu-memory-fraction", type=float, default=None)
     ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="extra LLM(...) option, e.g. attention_backend=torch_ref (repeatable)")
@@ -99,6 +104,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     args.mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.tp is not None:
+        try:
+            sizes = [int(t) for t in args.tp.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            ap.error(f"--tp takes comma-separated sizes such as 1,2,4, not {args.tp!r}")
     for key, value in MODES[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -490,6 +502,34 @@ def run_all(args: argparse.Namespace, rep: Report, model_dir: Path, dtype: str, 
         rep.data["ceilings_end"] = measure_ceilings(use_cuda, dtype)
     except Exception as e:  # e.g. out of memory while the engine's cache lingers
         rep.error("ceilings at the end", e)
+    if args.tp:
+        run_tp_section(args, rep, model_dir, use_cuda)
+
+
+def run_tp_section(args: argparse.Namespace, rep: Report, model_dir: Path,
+                   use_cuda: bool) -> None:
+    """``--tp``: the same model served at each TP size (tools/bench_tp.py), after this
+    process has given its GPU memory back."""
+    import torch
+
+    import bench_tp
+
+    sizes = [int(t) for t in args.tp.split(",")]
+    have = torch.cuda.device_count() if use_cuda else 0
+    if max(sizes) > have:
+        rep.data["skipped"].append(f"tensor parallel {sizes}: {have} GPUs")
+        return
+    torch.cuda.empty_cache()
+    log(f"tensor parallel: cvllm serve at TP {sizes}")
+
+    def save(runs):
+        rep.data["tensor_parallel"] = runs
+        rep.save()
+
+    try:
+        save(bench_tp.measure(sizes, model_dir, bench_tp.parse_args([]), save))
+    except Exception as e:
+        rep.error("tensor parallel", e)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python tools/bench_step.py --batches 1,64          # 8B shape, random bf16
     PYTHONPATH=. python tools/bench_step.py --tiny --cpu --batches 1  # smoke test
+    PYTHONPATH=. torchrun --nproc-per-node 2 tools/bench_step.py --tp 2   # TP=2, rank 0's view
 
 For each batch it runs B random prompts into steady decode through the engine, then:
 - ``engine_step_ms``: wall time of ``LLMEngine.step()`` (median of the window);
@@ -12,13 +13,18 @@ For each batch it runs B random prompts into steady decode through the engine, t
   the GPU idle (the part an overlapped loop hides);
 - the top CUDA kernels of one engine step (``torch.profiler``), to see whether the GEMVs
   run at the copy bandwidth.
-JSON to ``--out``. A diagnostic, not a headline benchmark (that is ``tools/bench.py``).
+With ``--tp N`` (under torchrun) every rank runs the engine's SPMD job
+(``engine/spmd.run_job``) and rank 0 measures: the graph replay alone and the host-only
+phases are skipped there (the other ranks would not follow), and the kernel table is rank 0's, all-reduce
+waits included. JSON to ``--out``. A diagnostic, not a headline benchmark (that is
+``tools/bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -94,7 +100,7 @@ class _Fake:
         self.token_ids = [0] * n
 
 
-def kernel_table(engine, top: int = 12) -> List[Dict[str, Any]]:
+def kernel_table(engine, top: int = 40) -> List[Dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -109,10 +115,9 @@ def kernel_table(engine, top: int = 12) -> List[Dict[str, Any]]:
     return rows
 
 
-def measure(llm, batch: int, args, cfg, rng) -> Dict[str, Any]:
+def measure(engine, batch: int, args, cfg, rng, tp: int = 1) -> Dict[str, Any]:
     import torch
 
-    engine = llm.engine
     runner = engine.runner
     ids = steady_decode(engine, batch, args.prompt_len, int(cfg["vocab_size"]), rng)
     times = []
@@ -121,9 +126,12 @@ def measure(llm, batch: int, args, cfg, rng) -> Dict[str, Any]:
         engine.step()
         times.append(time.perf_counter() - t)
     res: Dict[str, Any] = {"batch": batch, "engine_step_ms": 1000 * statistics.median(times)}
-    res.update(host_phases(engine, 20))
+    if tp == 1:  # it schedules steps that never run: the other ranks would see a gap
+        res.update(host_phases(engine, 20))
     graphs = getattr(runner, "graphs", None)
-    if graphs is not None and graphs.graphs:
+    if tp > 1 and torch.cuda.is_available():
+        res["top_kernels"] = kernel_table(engine)
+    elif graphs is not None and graphs.graphs:
         bs = graphs.padded_size_for(batch) if hasattr(graphs, "padded_size_for") else \
             min(s for s in graphs.sizes if s >= batch)
         res["graph_replay_ms"] = cuda_ms(graphs.graphs[bs].replay, args.reps)
@@ -144,32 +152,49 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="ranks (run under torchrun)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import numpy as np
     import torch
-
-    from cvllm.engine.llm import LLM
 
     use_cuda = torch.cuda.is_available() and not args.cpu
     cfg = bm.build_config(None, args.tiny, {})
     folder = bm.write_model_folder(Path(tempfile.mkdtemp(prefix="cvllm-step-")), cfg)
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(weight_path=str(folder), load_format="dummy", cpu=not use_cuda,
-              dtype="bf16" if use_cuda else "f32", max_model_len=args.prompt_len + 2048,
-              max_num_seqs=max(batches), **({} if use_cuda else {"kvcache_mem_mb": 256}))
-    report: Dict[str, Any] = {"device": torch.cuda.get_device_name() if use_cuda else "cpu",
-                              "command": " ".join(sys.argv), "results": []}
+    options = dict(weight_path=str(folder), load_format="dummy", cpu=not use_cuda,
+                   dtype="bf16" if use_cuda else "f32", max_model_len=args.prompt_len + 2048,
+                   max_num_seqs=max(batches), **({} if use_cuda else {"kvcache_mem_mb": 256}))
+    if args.tp == 1:
+        from cvllm.engine.llm import LLM
+
+        report(LLM(**options).engine, args, cfg, batches, use_cuda)
+        return 0
+    from cvllm.engine.spmd import ParallelOptions, run_job
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} ranks: run it under "
+                         f"torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
+    run_job(ParallelOptions(device_ids=(0,), cpu=not use_cuda), options,
+            lambda rank0: report(rank0.build_engine()[0], args, cfg, batches, use_cuda))
+    return 0
+
+
+def report(engine, args, cfg, batches: List[int], use_cuda: bool) -> None:
+    import numpy as np
+    import torch
+
+    out: Dict[str, Any] = {"device": torch.cuda.get_device_name() if use_cuda else "cpu",
+                           "tp": args.tp, "command": " ".join(sys.argv), "results": []}
     if use_cuda:
-        report["ceilings"] = measure_ceilings(True, "bf16")
+        out["ceilings"] = measure_ceilings(True, "bf16")
     rng = np.random.default_rng(0)
     for b in batches:
-        r = measure(llm, b, args, cfg, rng)
-        report["results"].append(r)
+        r = measure(engine, b, args, cfg, rng, args.tp)
+        out["results"].append(r)
         print(json.dumps(r, indent=1), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
