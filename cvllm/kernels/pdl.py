@@ -30,6 +30,9 @@ except ImportError:  # an older Triton: no PDL (kernels only name these under PD
     HAVE_GDC = False
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
+
+
 @functools.lru_cache(maxsize=None)
 def _device_ok(device_index: int) -> bool:
     if os.environ.get("CVLLM_PDL", "1").strip() == "0" or torch.version.hip is not None:
@@ -41,7 +44,7 @@ def enabled(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device use PDL: an NVIDIA device of compute capability
     9+ (griddepcontrol), a Triton that has it, not the interpreter, and ``CVLLM_PDL`` not
     0 (read once per process)."""
-    if not x.is_cuda or not HAVE_GDC or os.environ.get("TRITON_INTERPRET") == "1":
+    if not x.is_cuda or not HAVE_GDC or _INTERPRETED:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())

@@ -145,6 +145,7 @@ class LlamaDecoderLayer(nn.Module):
     # the TP group (one kernel with the add and norm where comm can). A subclass whose
     # forward or norms differ sets this False and keeps the reduction in the linears.
     reduce_in_norm = True
+    defer_reduce = False  # this layer's choice (reduce_in_norm, and more than one rank)
 
     def __init__(
         self,
@@ -163,7 +164,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-        if self.reduce_in_norm:
+        if self.reduce_in_norm and self.self_attn.o_proj.tp_size > 1:
+            self.defer_reduce = True
             self.self_attn.o_proj.reduce_results = False
             self.mlp.down_proj.reduce_results = False
 
@@ -176,16 +178,16 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(delta, residual)``; the next norm adds them (``delta`` is this
-        rank's partial sum when ``reduce_in_norm``)."""
+        rank's partial sum when ``defer_reduce``)."""
         if residual is None:  # the embedding's output: already whole
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual,
-                                                           reduce=self.reduce_in_norm)
+                                                           reduce=self.defer_reduce)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual,
-                                                                reduce=self.reduce_in_norm)
+                                                                reduce=self.defer_reduce)
         return self.mlp(hidden_states), residual
 
 
@@ -245,7 +247,7 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
-        if getattr(self.decoder_layer_cls, "reduce_in_norm", False):
+        if getattr(self.layers[-1], "defer_reduce", False):  # the last MLP's partial sum
             hidden_states, _ = self.norm(hidden_states, residual, reduce=True)
         else:
             hidden_states, _ = self.norm(hidden_states, residual)
