@@ -106,7 +106,12 @@ class SPMDRunner:
 
 
 class JobSupervisor:
-    """Rank 0 (and any spawner): the first failure ends the whole job, once."""
+    """Rank 0 (and any spawner): the first failure ends the whole job, once. Failures
+    reported during the grace period are named in the final message too: when a worker
+    dies, rank 0's own transport error often arrives before the news of the death."""
+
+    MAX_LATER = 4
+    """Later failures kept for the final message."""
 
     def __init__(self, transport: str, children: Optional[LocalRanks] = None,
                  grace_s: float = FAILURE_GRACE_S) -> None:
@@ -114,6 +119,7 @@ class JobSupervisor:
         self.children = children
         self.grace_s = grace_s
         self.failure: Optional[str] = None
+        self.later: List[str] = []
         self._listeners: List[Callable[[str], None]] = []
         self._lock = threading.Lock()
 
@@ -126,6 +132,9 @@ class JobSupervisor:
     def fail(self, reason: str, code: int = 1, grace_s: Optional[float] = None) -> None:
         with self._lock:
             if self.failure is not None:
+                first_line = reason.splitlines()[0] if reason else reason
+                if len(self.later) < self.MAX_LATER and first_line not in self.later:
+                    self.later.append(first_line)
                 return
             self.failure = reason
         logger.error("job failure: %s", reason.splitlines()[0] if reason else reason)
@@ -140,7 +149,14 @@ class JobSupervisor:
 
     def _abort_later(self, reason: str, code: int, wait: float) -> None:
         time.sleep(wait)
-        abort_job(self.transport, reason, code, self.children)
+        abort_job(self.transport, self.final_reason(), code, self.children)
+
+    def final_reason(self) -> str:
+        """The first failure, then any reported after it ('; also: ...')."""
+        with self._lock:
+            later = list(self.later)
+        reason = self.failure or ""
+        return reason + "".join(f"; also: {r}" for r in later)
 
     def child_exited(self, rank: int, code: int) -> None:
         if code != 0:

@@ -91,6 +91,19 @@ def test_spmd_runner_reports_a_failing_step():
     assert len(failures) == 1
 
 
+def test_final_message_names_failures_seen_after_the_first():
+    sup = JobSupervisor("none", grace_s=3600)
+    sup.fail("rank 0: step 7 failed: RuntimeError('Connection reset by peer')")
+    sup.fail("rank 1 exited with status -9\n(traceback)")
+    sup.fail("rank 1 exited with status -9")  # the same news twice is named once
+    for i in range(10):
+        sup.fail(f"health: rank {i}: connection lost")
+    assert sup.final_reason() == (
+        "rank 0: step 7 failed: RuntimeError('Connection reset by peer'); also: rank 1 "
+        "exited with status -9; also: health: rank 0: connection lost; also: health: rank "
+        "1: connection lost; also: health: rank 2: connection lost")
+
+
 def test_worker_runs_steps_in_order_until_shutdown():
     runner = _Runner()
     control = _Control([_msg(MessageKind.STEP, 1), _msg(MessageKind.HEARTBEAT, 1),
