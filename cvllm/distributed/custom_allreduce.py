@@ -88,7 +88,7 @@ class CustomAllReduce:
     def accepts_norm(self, x: torch.Tensor, residual: torch.Tensor,
                      weight: torch.Tensor) -> bool:
         return (self.accepts(x) and residual.shape == x.shape and residual.dtype == x.dtype
-                and residual.stride(-1) == 1 and residual.is_contiguous()
+                and residual.is_contiguous()
                 and weight.dtype == x.dtype and weight.dim() == 1
                 and weight.shape[0] == x.shape[-1] and weight.stride(0) == 1
                 and x.shape[-1] <= ar.MAX_HIDDEN)

@@ -50,6 +50,7 @@ FLAT_BLOCK = 2048
 """Elements per program without the norm."""
 STATE_INTS = 8
 """``state``: [phase (0-2), ticket, used phase 0, 1, 2, spare...] (int32)."""
+_STATE = tl.constexpr(STATE_INTS)  # the same, inside the kernel
 SENTINEL_BITS = {2: -32768, 4: -2147483648}
 """-0.0 as a signed int of the element's width: the 'not yet written' mark."""
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32}
@@ -85,7 +86,7 @@ def _lamport_kernel(
     stride_x, stride_res, stride_out, stride_res_out,
     RANK: tl.constexpr, WORLD: tl.constexpr, SENT: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
-    PDL: tl.constexpr, STATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Without HAS_NORM: program ``pid`` sums elements ``[pid*BLOCK, +BLOCK)`` of the
     flat tensor. With HAS_NORM: row ``pid``: ``s = round(sum)``, ``res_out = round(s +
@@ -111,7 +112,7 @@ def _lamport_kernel(
     dtype = x.dtype
     pay_ty = b0.dtype.element_ty
     # One load of the whole state: the phase and what the previous call used.
-    slots = tl.arange(0, STATE)
+    slots = tl.arange(0, _STATE)
     state = tl.load(state_ptr + slots)
     phase = tl.sum(tl.where(slots == 0, state, 0), axis=0)  # 0, 1, 2: never wraps
     prev = (phase + 2) % 3
@@ -226,7 +227,7 @@ def lamport_all_reduce(
     slot_elems = slot_bytes // x.element_size()
     b = list(bufs) + [bufs[0]] * (8 - world)
     common = dict(RANK=rank, WORLD=world, SENT=SENTINEL_BITS[x.element_size()],
-                  PDL=pdl.enabled(x), STATE=STATE_INTS)
+                  PDL=pdl.enabled(x))
     if weight is None:
         flat = x.reshape(-1).contiguous()  # [numel]
         out = torch.empty_like(flat)

@@ -247,7 +247,7 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
-        if getattr(self.layers[-1], "defer_reduce", False):  # the last MLP's partial sum
+        if self.layers[-1].defer_reduce:  # the last MLP's partial sum
             hidden_states, _ = self.norm(hidden_states, residual, reduce=True)
         else:
             hidden_states, _ = self.norm(hidden_states, residual)
