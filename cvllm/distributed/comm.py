@@ -62,6 +62,16 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return fast.all_reduce_rms_norm(x, residual, weight, eps)
 
 
+def partial_sum_sink() -> Optional["custom_allreduce.CustomAllReduce"]:
+    """The custom all-reduce, for a row-parallel GEMV whose partial sums go straight into
+    the next reduction (``CustomAllReduce.push_target``), or None where that path is off
+    (one rank, in-process ranks, NCCL only)."""
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1 or _inprocess(group.device_group, group.rank_in_group) is not None:
+        return None
+    return custom_allreduce.active()
+
+
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
     group = parallel_state.get_tp_group()

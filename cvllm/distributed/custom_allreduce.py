@@ -18,6 +18,12 @@ Every rank keeps one buffer in torch's symmetric memory
 buffer into this process; the kernel gets every rank's buffer as a tensor. The buffers hold 16-bit values
 (bf16 / fp16 models); their sentinel fill is done before any rank can push.
 
+A batch-1 GEMV of a row-parallel layer may push its output rows itself
+(``push_target``, from ``layers/linear.RowParallelLinear`` through
+``comm.partial_sum_sink``): the next call then only waits for the slots and sums. The
+object remembers the pushed tensor, and that call must be the next one (any other raises:
+it would take the pushed phase).
+
 Every rank must take the same path for every call (a mismatch would hang), so the choice
 is made once, collectively: each rank checks it can, the ranks agree (min over the CPU
 group), the buffers are exchanged and filled, and test reductions (plain and fused, over
@@ -42,6 +48,9 @@ MAX_BYTES = 1 << 20
 """Largest tensor that takes this path: decode all-reduces up to batch 128 of a 4096-wide
 model (larger ones are bandwidth-bound, where NCCL's ring is the better choice)."""
 CHOICES = ("auto", "custom", "nccl")
+PUSH_ENABLED = os.environ.get("CVLLM_GEMV_PUSH", "1").strip() != "0"
+"""Whether row-parallel batch-1 GEMVs push their rows for the reduction themselves
+(``push_target``); ``CVLLM_GEMV_PUSH=0`` keeps the separate push (for comparisons)."""
 _DTYPES = (torch.bfloat16, torch.float16)
 
 _ACTIVE: Optional["CustomAllReduce"] = None
@@ -65,6 +74,17 @@ class CustomAllReduce:
         torch.cuda.synchronize(device)  # filled before the exchange lets peers push
         self.state = ar.new_state(device)  # [STATE_INTS]
         self.bufs: list = []
+        self._pushed: Optional[Tuple[int, int]] = None  # (data_ptr, numel) awaiting its call
+
+    @classmethod
+    def over(cls, bufs, state: torch.Tensor, rank: int, world: int,
+             slot_bytes: int) -> "CustomAllReduce":
+        """One over buffers mapped by other means (``bufs[r]``: rank r's, as
+        ``kernels/allreduce.payload_view``s), e.g. the tests' shared host memory."""
+        self = cls.__new__(cls)
+        self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
+        self.bufs, self.state, self._pushed = list(bufs), state, None
+        return self
 
     def exchange(self) -> None:
         """Map every rank's buffer here (collective: every rank calls it once)."""
@@ -80,10 +100,35 @@ class CustomAllReduce:
         return (x.is_cuda and x.dtype in _DTYPES
                 and 0 < x.numel() * x.element_size() <= self.slot_bytes)
 
+    def push_target(self, numel: int, dtype: torch.dtype) -> Optional[ar.PushTarget]:
+        """Where a batch-1 GEMV of ``numel`` outputs pushes them for the next call
+        (``kernels/gemv.py``), or None: this path declines it, or ``CVLLM_GEMV_PUSH=0``.
+        The caller passes the GEMV's output to ``mark_pushed``; the next call on this
+        object must then be the reduction of that output."""
+        if (not PUSH_ENABLED or self._pushed is not None or dtype not in _DTYPES
+                or not 0 < numel * torch.empty((), dtype=dtype).element_size() <= self.slot_bytes):
+            return None
+        return ar.PushTarget(self.bufs, self.state, self.rank, self.world, self.slot_bytes)
+
+    def mark_pushed(self, y: torch.Tensor) -> None:
+        self._pushed = (y.data_ptr(), y.numel())
+
+    def _take_pushed(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the pushed GEMV output (its values are in the buffers); any
+        other tensor while one waits is a bug (its call would take the pushed phase)."""
+        if self._pushed is None:
+            return False
+        if self._pushed != (x.data_ptr(), x.numel()):
+            self._pushed = None
+            raise RuntimeError("custom all-reduce: a GEMV pushed its output for the next "
+                               "call, but that call reduces another tensor")
+        self._pushed = None
+        return True
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the group, as a new tensor (``x`` is not changed)."""
         return ar.lamport_all_reduce(x, self.bufs, self.state, self.rank, self.world,
-                                     self.slot_bytes)
+                                     self.slot_bytes, pushed=self._take_pushed(x))
 
     def accepts_norm(self, x: torch.Tensor, residual: torch.Tensor,
                      weight: torch.Tensor) -> bool:
@@ -98,7 +143,8 @@ class CustomAllReduce:
         """``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)``; the second is
         ``residual``, updated in place."""
         return ar.lamport_all_reduce(x, self.bufs, self.state, self.rank, self.world,
-                                     self.slot_bytes, residual, weight, eps)
+                                     self.slot_bytes, residual, weight, eps,
+                                     pushed=self._take_pushed(x))
 
 
 def active() -> Optional[CustomAllReduce]:

@@ -25,6 +25,20 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def activate(g, ACTIVATION: tl.constexpr):
+    """``act(g)`` in float32 (ACTIVATION: a value of ``ACTIVATIONS``); also used by the
+    batch-1 GEMV that applies the gated activation to its input (``kernels/gemv.py``)."""
+    if ACTIVATION == 0:  # silu
+        act = g / (1.0 + tl.exp(-g))
+    elif ACTIVATION == 1:  # exact gelu
+        act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:  # tanh approximation: 0.5 g (1 + tanh(z)) = g sigmoid(2z), accurate for any z
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * z))
+    return act
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_out,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -38,14 +52,7 @@ def _act_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = gate.dtype
-    g = gate.to(tl.float32)
-    if ACTIVATION == 0:  # silu
-        act = g / (1.0 + tl.exp(-g))
-    elif ACTIVATION == 1:  # exact gelu
-        act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:  # tanh approximation: 0.5 g (1 + tanh(z)) = g sigmoid(2z), accurate for any z
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = g / (1.0 + tl.exp(-2.0 * z))
+    act = activate(gate.to(tl.float32), ACTIVATION)
     out = act.to(dtype).to(tl.float32) * up
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 

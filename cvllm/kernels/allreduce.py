@@ -23,6 +23,16 @@ rank's push of call ``e + 2``, which this rank issues after its kernel of call `
 never launched to overlap its predecessor (it only lets a following GEMV start early,
 ``kernels/pdl.py``).
 
+Pushed from a GEMV (``PushTarget``): a row-parallel layer's batch-1 GEMV may push its
+rows itself, from its epilogue (``push_slot``), as each program finishes; the call that
+sums them then only polls (``pushed=True``), so the values travel while the rest of the
+weight stream is still being read. That GEMV reads the phase only after ``gdc_wait``, and
+triggers its dependents only after it too, so the call before it has completed by then,
+as for the kernel's own push. The summing call is launched with PDL and waits for no
+kernel: every value it reads beyond its own buffer comes from kernels that completed
+before the GEMV's programs passed their wait, and it writes only once every program of
+the GEMV on this rank has pushed (has read its inputs); the GEMV writes nothing else.
+
 State is on the device (``state``: the phase, a ticket, elements used per phase), so the
 kernel can be captured in CUDA graphs and replayed in any order with eager calls: the
 last program of each call (a ticket counter; no counter with one program) advances the
@@ -35,7 +45,7 @@ prefill chunk that fit the slot.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import triton
@@ -79,6 +89,21 @@ def _buf(r: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
+def push_slot(vals, idx, mask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
+              RANK: tl.constexpr, WORLD: tl.constexpr, SENT: tl.constexpr):
+    """Store ``vals`` (16/32-bit floats) at ``idx`` of slot ``RANK`` of the current phase
+    on every rank: the push half of a call, also made by a GEMV's epilogue
+    (``kernels/gemv.py``, ``PushTarget``); -0.0 travels as +0.0."""
+    phase = tl.load(state_ptr)
+    pay_ty = b0.dtype.element_ty
+    bits = vals.to(pay_ty, bitcast=True)
+    bits = tl.where(bits == SENT, 0, bits).to(pay_ty)
+    for r in tl.static_range(WORLD):
+        dst = _buf(r, b0, b1, b2, b3, b4, b5, b6, b7)
+        tl.store(dst + (phase * WORLD + RANK) * slot_elems + idx, bits, mask=mask)
+
+
+@triton.jit
 def _lamport_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, state_ptr,
     b0, b1, b2, b3, b4, b5, b6, b7,
@@ -86,30 +111,33 @@ def _lamport_kernel(
     stride_x, stride_res, stride_out, stride_res_out,
     RANK: tl.constexpr, WORLD: tl.constexpr, SENT: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
-    PDL: tl.constexpr,
+    PUSHED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Without HAS_NORM: program ``pid`` sums elements ``[pid*BLOCK, +BLOCK)`` of the
     flat tensor. With HAS_NORM: row ``pid``: ``s = round(sum)``, ``res_out = round(s +
     res)``, ``out = w * round(norm(res_out))`` (``kernels/rmsnorm.py``'s roundings).
     ``b0..b{WORLD-1}``: every rank's buffer as mapped here, as ints of the payload's
-    width (the others are unused)."""
+    width (the others are unused). PUSHED: the GEMV before this kernel has pushed this
+    rank's values already (``x`` is not read); see ``lamport_all_reduce``."""
     if PDL:
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    dtype = out_ptr.dtype.element_ty
     if HAS_NORM:
         row = pid.to(tl.int64)
         mask = cols < N
         idx = row * N + cols  # position in the slot (rows packed)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         # Independent of the peers: in flight while the values travel.
         resid = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if not PUSHED:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     else:
         idx = pid.to(tl.int64) * BLOCK + cols
         mask = idx < numel
-        x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-    dtype = x.dtype
+        if not PUSHED:
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0)
     pay_ty = b0.dtype.element_ty
     # One load of the whole state: the phase and what the previous call used.
     slots = tl.arange(0, _STATE)
@@ -117,12 +145,9 @@ def _lamport_kernel(
     phase = tl.sum(tl.where(slots == 0, state, 0), axis=0)  # 0, 1, 2: never wraps
     prev = (phase + 2) % 3
     used = tl.sum(tl.where(slots == 2 + prev, state, 0), axis=0)
-    # Push: this rank's values into slot RANK of the phase, on every rank.
-    bits = x.to(pay_ty, bitcast=True)
-    bits = tl.where(bits == SENT, 0, bits).to(pay_ty)  # -0.0 travels as +0.0
-    for r in tl.static_range(WORLD):
-        dst = _buf(r, b0, b1, b2, b3, b4, b5, b6, b7)
-        tl.store(dst + (phase * WORLD + RANK) * slot_elems + idx, bits, mask=mask)
+    if not PUSHED:  # this rank's values into slot RANK of the phase, on every rank
+        push_slot(x, idx, mask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
+                  RANK, WORLD, SENT)
     # Poll this rank's own copy until every slot arrived; sum in rank order.
     mine = _buf(RANK, b0, b1, b2, b3, b4, b5, b6, b7)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -159,6 +184,23 @@ def _lamport_kernel(
         if ticket == nprog - 1:
             tl.store(state_ptr + 1, 0)
             tl.store(state_ptr, (phase + 1) % 3)
+
+
+class PushTarget(NamedTuple):
+    """Where a GEMV pushes its rows for the next call (``lamport_all_reduce``'s arguments
+    of that call): every rank's buffer as mapped here, this rank's state, its rank."""
+
+    bufs: Sequence[torch.Tensor]
+    state: torch.Tensor
+    rank: int
+    world: int
+    slot_bytes: int
+
+    def kernel_args(self, element_size: int) -> Tuple[list, dict]:
+        """The ``state_ptr, slot_elems, b0..b7`` arguments and the constexprs."""
+        b = list(self.bufs) + [self.bufs[0]] * (8 - self.world)
+        return ([self.state, self.slot_bytes // element_size] + b,
+                dict(RANK=self.rank, WORLD=self.world, SENT=SENTINEL_BITS[element_size]))
 
 
 def buffer_bytes(world: int, slot_bytes: int) -> int:
@@ -217,19 +259,27 @@ def lamport_all_reduce(
     residual: Optional[torch.Tensor] = None,
     weight: Optional[torch.Tensor] = None,
     eps: float = 0.0,
+    pushed: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """The sum of every rank's ``x`` (a new tensor); with ``weight`` and ``residual``:
     ``(rms_norm(sum + residual) * weight, sum + residual)``, the second written into
     ``residual``. ``bufs[r]``: rank r's buffer as mapped here (``payload_view``);
     ``state``: this rank's ``new_state``. Every rank calls it with the same shapes in the
-    same order."""
+    same order. ``pushed``: the kernel just before this call on the stream was a GEMV
+    that pushed this rank's values for it (``PushTarget``); ``x`` (that GEMV's
+    unwritten output) gives only the shape. This call is then launched with PDL where
+    the device has it: its wait for the peers' values is its wait for the GEMV."""
     _check(x, bufs, state, rank, world, slot_bytes, residual, weight)
     slot_elems = slot_bytes // x.element_size()
     b = list(bufs) + [bufs[0]] * (8 - world)
+    use_pdl = pdl.enabled(x)
     common = dict(RANK=rank, WORLD=world, SENT=SENTINEL_BITS[x.element_size()],
-                  PDL=pdl.enabled(x))
+                  PUSHED=pushed, PDL=use_pdl,
+                  **({"launch_pdl": True} if pushed and use_pdl else {}))
     if weight is None:
-        flat = x.reshape(-1).contiguous()  # [numel]
+        flat = x.reshape(-1)  # [numel]
+        if not pushed:
+            flat = flat.contiguous()
         out = torch.empty_like(flat)
         if flat.numel():
             grid = (triton.cdiv(flat.numel(), FLAT_BLOCK),)
@@ -240,7 +290,7 @@ def lamport_all_reduce(
         return out.view(x.shape)
     n = x.shape[-1]
     x2 = x.reshape(-1, n)  # [R, N]
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = x2 if x2.stride(-1) == 1 or pushed else x2.contiguous()
     r2 = residual.view(-1, n)  # [R, N]; written in place
     if r2.stride(-1) != 1:
         raise ValueError("residual must have unit stride along the hidden dim")

@@ -1,9 +1,10 @@
 """Batch-1 matrix-vector product ``y = x @ W^T (+ b)`` streaming the weight once (Triton).
 
-Called by ``quantization/unquantized.UnquantizedLinearMethod`` and the LM head for a
-single CUDA row in a 16-bit dtype (batch-1 decode); ``kernels/reference.gemv_ref`` is the
-plain-torch version and the test oracle (tests/kernels/test_gemv.py, also run on the CPU
-under ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
+Called by ``quantization/unquantized.UnquantizedLinearMethod`` (``apply``, and
+``apply_fused`` for the fusions below) and the LM head for a single CUDA row in a 16-bit
+dtype (batch-1 decode); ``kernels/reference.gemv_ref`` is the plain-torch version and the
+test oracle (tests/kernels/test_gemv.py, also run on the CPU under
+``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
 
 Why not cuBLAS: at one row the product is a pure weight stream, and the library's kernels
 for the decoder's shapes leave bandwidth unused; those for ``o_proj`` (4096x4096) and
@@ -20,6 +21,13 @@ stays in L2. On Hopper the kernel is launched with programmatic dependent launch
 (``kernels/pdl.py``): its first weight tile is in flight before the kernel that writes
 ``x`` has finished.
 
+Two epilogue/prologue fusions serve the decoder's MLP and tensor parallelism. ``act``:
+the input is a ``[gate | up]`` row and each program computes ``act(gate) * up`` as it
+loads it (``kernels/activation.py``'s roundings, so the result is the two-kernel one bit
+for bit), saving the activation kernel. ``push``: the output rows go into the custom
+all-reduce's buffers on every rank (``kernels/allreduce.PushTarget``) instead of to
+memory, so a row-parallel layer's partial sums travel as each program finishes.
+
 Numerics: float32 accumulation of the 16-bit products, one rounding to the output dtype
 (cuBLAS does the same, in a different summation order), so results equal ``F.linear`` up
 to float32 summation order.
@@ -35,7 +43,9 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_wait
+from cvllm.kernels.activation import ACTIVATIONS, activate
+from cvllm.kernels.allreduce import SENTINEL_BITS, PushTarget, push_slot
+from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _TILE = 8192
@@ -73,13 +83,35 @@ def _load_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_act_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+    """``act(gate) * up`` at ``k0 ..`` from a ``[gate (K) | up (K)]`` row, with
+    ``kernels/activation.py``'s roundings (ACT: its activation code + 1; 0: plain x)."""
+    if ACT == 0:
+        return _load_x(x_ptr, k0, offs_k, K, EVEN_K)
+    if EVEN_K:
+        gate = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
+    else:
+        gate = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0,
+                       eviction_policy="evict_last")
+    up = _load_x(x_ptr + K, k0, offs_k, K, EVEN_K)
+    act = activate(gate.to(tl.float32), ACT - 1)
+    return (act.to(gate.dtype).to(tl.float32) * up).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+    state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, SENT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows ``pid * BLOCK_N ..`` of ``y = W @ x (+ b)``; ``W [N, K]`` row-major. With PDL
-    the first weight tile is loaded before waiting for the kernel that writes x."""
+    the first weight tile is loaded before waiting for the kernel that writes x, and
+    the kernel after this one may launch once every program has passed that wait. ACT:
+    x is a gate_up row, see ``_load_act_x``. PUSH: the rows go to the custom
+    all-reduce's buffers (``kernels/allreduce.push_slot``), not to ``y``."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -88,15 +120,21 @@ def _gemv_kernel(
     w = _load_w(w_ptrs, 0, offs_k, nmask, K, EVEN_N, EVEN_K)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
-    acc = w.to(tl.float32) * _load_x(x_ptr, 0, offs_k, K, EVEN_K)[None, :]  # [BN, BK]
+        gdc_launch_dependents()  # only now: see kernels/allreduce.py (pushed calls)
+    acc = w.to(tl.float32) * _load_act_x(x_ptr, 0, offs_k, K, EVEN_K, ACT)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_w(w_ptrs, k0, offs_k, nmask, K, EVEN_N, EVEN_K)
-        acc += w.to(tl.float32) * _load_x(x_ptr, k0, offs_k, K, EVEN_K)[None, :]
+        acc += w.to(tl.float32) * _load_act_x(x_ptr, k0, offs_k, K, EVEN_K, ACT)[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+    y = y.to(y_ptr.dtype.element_ty)
+    if PUSH:
+        push_slot(y, offs_n, nmask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
+                  RANK, WORLD, SENT)
+    else:
+        tl.store(y_ptr + offs_n, y, mask=nmask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,15 +161,28 @@ def plan(n: int, k: int, num_sms: int) -> Tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
+         config: Optional[Tuple[int, int, int]] = None, act: Optional[str] = None,
+         push: Optional[PushTarget] = None) -> torch.Tensor:
     """``x [.., K]`` holding one row, ``weight [N, K]`` -> ``[.., N]`` in x's dtype; the
     contract of ``reference.gemv_ref`` (``F.linear``). ``config`` overrides ``plan``
-    (``(BLOCK_N, BLOCK_K, num_warps)``; the benchmark's sweep)."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x [.., K] and weight [N, K] disagree: {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}")
-    if x.numel() != weight.shape[1]:
+    (``(BLOCK_N, BLOCK_K, num_warps)``; the benchmark's sweep).
+
+    ``act`` (a key of ``kernels/activation.ACTIVATIONS``): ``x [.., 2K]`` is a gate_up
+    row and the product is taken with ``act_and_mul(x, act)``, computed on the fly (one
+    kernel instead of two). ``push``: the rows are pushed for the next custom
+    all-reduce call on this stream, which must be ``lamport_all_reduce(y, ...,
+    pushed=True)``; the returned ``y`` is then not written (it only has the shape)."""
+    if act is not None and act not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {act!r}; supported: {list(ACTIVATIONS)}")
+    width = 2 * weight.shape[1] if act is not None and weight.dim() == 2 else weight.shape[-1]
+    if weight.dim() != 2 or x.shape[-1] != width:
+        raise ValueError(f"x [.., {'2K' if act else 'K'}] and weight [N, K] disagree: "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.numel() != width:
         raise ValueError(f"gemv takes one row; x has {x.numel() // max(x.shape[-1], 1)}")
+    if push is not None and (bias is not None
+                             or weight.shape[0] * x.element_size() > push.slot_bytes):
+        raise ValueError("a pushed GEMV takes no bias and must fit the all-reduce slot")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a dtype in {_DTYPES}; got {x.dtype}, "
                          f"{weight.dtype}")
@@ -145,7 +196,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     n, k = weight.shape
     if k > MAX_K:
         raise ValueError(f"K={k} exceeds {MAX_K}")
-    xv = x.reshape(k)
+    xv = x.reshape(width)
     if xv.stride(0) != 1:
         xv = xv.contiguous()
     if bias is not None and bias.stride(0) != 1:
@@ -158,20 +209,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         config = plan(n, k, sms)
     block_n, block_k, warps = config
     use_pdl = pdl.enabled(x)
+    if push is not None:
+        push_args, push_const = push.kernel_args(x.element_size())
+    else:
+        push_args, push_const = [y, 0] + [y] * 8, dict(RANK=0, WORLD=1, SENT=0)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        xv, weight, bias if bias is not None else xv, y, n, k, weight.stride(0),
+        xv, weight, bias if bias is not None else xv, y, n, k, weight.stride(0), *push_args,
         HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, ACT=0 if act is None else ACTIVATIONS[act] + 1,
+        PUSH=push is not None, PDL=use_pdl, num_warps=warps, **push_const,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether a linear layer should call ``gemv``: one CUDA row, a 16-bit weight of the
     same dtype with contiguous rows, and a weight large enough for the stream to matter
-    (smaller ones stay with cuBLAS)."""
+    (smaller ones stay with cuBLAS). ``gated``: x is a gate_up row (``act``)."""
     return (x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
             and x.numel() == x.shape[-1] and weight.dim() == 2
-            and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
+            and weight.shape[1] * (2 if gated else 1) == x.shape[-1]
+            and weight.stride(1) == 1
             and weight.numel() >= (1 << 20) and weight.shape[1] <= MAX_K)

@@ -5,11 +5,15 @@ results.
 Used by ``kernels/gemv.py``: a batch-1 GEMV is a pure weight stream, and weights never
 depend on the kernel before it, so each program loads its first weight tile, then waits
 (``gdc_wait``) before it reads the input row. The kernels that precede a GEMV in a decoder
-step (RMSNorm, the custom all-reduce, attention's decode and merge, the gated activation)
-call ``gdc_launch_dependents`` as they start, which lets the GEMV's programs take the SMs
+step (RMSNorm, the custom all-reduce, attention's decode and merge, the gated activation,
+another GEMV) call ``gdc_launch_dependents``, which lets the GEMV's programs take the SMs
 they leave idle: its weight stream overlaps their tail and, at TP > 1, the all-reduce's
-wait for its peers. Launched without PDL, or followed by a kernel that is, the trigger
-does nothing. CUDA graphs keep the dependency (as a programmatic edge).
+wait for its peers. Launched without PDL, or followed by a kernel that is not, the
+trigger does nothing. CUDA graphs keep the dependency (as a programmatic edge). The GEMV
+itself triggers only after its own wait, so the kernel after it (a PDL GEMV, or the
+custom all-reduce of the values a GEMV pushed, ``kernels/allreduce.py``, which waits on
+the values instead of on the kernel) starts only once every kernel before the GEMV has
+completed.
 
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
 kernel writes (weights) and writes nothing.

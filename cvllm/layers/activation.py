@@ -10,6 +10,9 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    kernel_activation = "silu"
+    """Its name in ``kernels/activation.ACTIVATIONS`` (a GEMV may apply it to its input)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from cvllm.kernels.activation import act_and_mul
@@ -27,12 +30,13 @@ class GeluAndMul(nn.Module):
                 f"GeluAndMul approximate must be 'none' or 'tanh', got {approximate!r}"
             )
         self.approximate = approximate
+        self.kernel_activation = "gelu_tanh" if approximate == "tanh" else "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from cvllm.kernels.activation import act_and_mul
 
-            return act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+            return act_and_mul(x, self.kernel_activation)
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]  # [.., d]
 

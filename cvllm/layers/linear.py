@@ -29,6 +29,7 @@ from torch import nn
 from cvllm.distributed import parallel_state
 from cvllm.distributed.comm import (
     tensor_model_parallel_all_gather,
+    partial_sum_sink,
     tensor_model_parallel_all_reduce,
 )
 from cvllm.layers.utils import (
@@ -390,12 +391,31 @@ class RowParallelLinear(LinearBase):
                 copy_checked(param.data.narrow(input_dim, local * bs, count * bs),
                              loaded_weight.narrow(input_dim, block * bs, count * bs))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    push_partial = False
+    """Set by a decoder layer whose next step reduces this layer's partial sums itself
+    (``reduce_results=False``, then ``RMSNorm(.., reduce=True)``): a batch-1 GEMV then
+    pushes them to the custom all-reduce from its epilogue (``comm.partial_sum_sink``)."""
+
+    def forward(self, x: torch.Tensor, act_fn: Optional[nn.Module] = None) -> torch.Tensor:
+        """``act_fn``: a gated activation (``layers/activation``) that ``x``, a
+        ``[.., 2I]`` gate_up output, goes through first; fused into the batch-1 GEMV
+        where the quant method can (``apply_fused``)."""
         if not self.input_is_parallel and self.tp_size > 1:
+            if act_fn is not None:
+                raise ValueError("a gated input must already be split over the ranks")
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]  # [.., in / tp]
         # The bias is added once, on rank 0, so the sum over ranks carries it once.
         bias = self.bias if self.tp_rank == 0 else None
-        y = self.quant_method.apply(self, x, bias)  # [.., out] partial sum
+        sink = None
+        if self.push_partial and not self.reduce_results and bias is None:
+            sink = partial_sum_sink()
+        fused = getattr(self.quant_method, "apply_fused", None)
+        if fused is not None and (act_fn is not None or sink is not None):
+            y = fused(self, x, bias, act_fn, sink)  # [.., out] partial sum
+        else:
+            if act_fn is not None:
+                x = act_fn(x)  # [.., I]
+            y = self.quant_method.apply(self, x, bias)  # [.., out] partial sum
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y

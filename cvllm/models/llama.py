@@ -65,7 +65,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul_fn(config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+        # down_proj applies the activation (in its batch-1 GEMV where it can).
+        return self.down_proj(self.gate_up_proj(x), act_fn=self.act_fn)  # [T, hidden]
 
 
 class LlamaAttention(nn.Module):
@@ -166,8 +167,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         if self.reduce_in_norm and self.self_attn.o_proj.tp_size > 1:
             self.defer_reduce = True
-            self.self_attn.o_proj.reduce_results = False
-            self.mlp.down_proj.reduce_results = False
+            for linear in (self.self_attn.o_proj, self.mlp.down_proj):
+                linear.reduce_results = False
+                linear.push_partial = True  # its GEMV may push for the norm's reduction
 
     def forward(
         self,

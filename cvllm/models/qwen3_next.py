@@ -79,7 +79,7 @@ class Qwen3NextMLP(nn.Module):
         self.act_fn = get_act_and_mul_fn(config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+        return self.down_proj(self.gate_up_proj(x), act_fn=self.act_fn)  # [T, hidden]
 
 
 class Qwen3NextSparseMoeBlock(nn.Module):

@@ -8,12 +8,17 @@ higher fraction of the bandwidth than cuBLAS does at these shapes; everything el
 
 from __future__ import annotations
 
+import os
 from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from cvllm.quantization.base import LinearMethodBase, set_weight_attrs
+
+FUSE_ACT = os.environ.get("CVLLM_GEMV_ACT", "1").strip() != "0"
+"""Whether a batch-1 GEMV applies a gated activation to its input itself (one kernel
+fewer per MLP); ``CVLLM_GEMV_ACT=0`` runs the activation kernel first (comparisons)."""
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -46,3 +51,27 @@ class UnquantizedLinearMethod(LinearMethodBase):
             if g.use_gemv(x, layer.weight) and (bias is None or bias.dtype == x.dtype):
                 return g.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_fused(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+                    act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:
+        """``apply(layer, act_fn(x), bias)`` (``act_fn``: a gated activation, ``x`` a
+        gate_up output; or None), where a batch-1 GEMV may apply the activation to its
+        input itself (``CVLLM_GEMV_ACT``) and / or push its rows to ``sink``'s reduction
+        (a ``CustomAllReduce``, which then expects the returned tensor next)."""
+        if x.is_cuda:
+            from cvllm.kernels import gemv as g
+
+            act = getattr(act_fn, "kernel_activation", None) if FUSE_ACT else None
+            if act is not None and not g.use_gemv(x, layer.weight, gated=True):
+                act = None
+            if act_fn is not None and act is None:
+                x = act_fn(x)  # [.., I]
+            if g.use_gemv(x, layer.weight, gated=act is not None) and bias is None:
+                target = sink.push_target(layer.weight.shape[0], x.dtype) if sink else None
+                y = g.gemv(x, layer.weight, act=act, push=target)
+                if target is not None:
+                    sink.mark_pushed(y)
+                return y
+        elif act_fn is not None:
+            x = act_fn(x)  # [.., I]
+        return self.apply(layer, x, bias)

@@ -183,7 +183,7 @@ def _gpu_rank(rank: int, world: int, port: int, q) -> None:
         cpu = dist.new_group(backend="gloo")
         assert custom_allreduce.maybe_enable(dist.group.WORLD, cpu, dev, rank, world, True)
         impl = custom_allreduce.active()
-        run_cases(rank, world, torch.bfloat16, dev, impl.all_reduce, impl.all_reduce_rms_norm)
+        run_cases(rank, world, torch.bfloat16, dev, impl)
         _graph_check(impl, rank, world, dev)
         torch.cuda.synchronize()
     except BaseException:

@@ -18,17 +18,23 @@ from typing import List, Tuple
 import pytest
 import torch
 
+from cvllm.distributed.custom_allreduce import CustomAllReduce
 from cvllm.kernels import allreduce as ar
 from cvllm.kernels.reference import all_reduce_ref, all_reduce_rms_norm_ref
 from tests.interpreted import run_interpreted
 
 EPS = 1e-5
-# (kind, shape): "flat" sums the tensor; "norm" also adds the residual and normalises rows.
+# (kind, shape): "flat" sums the tensor; "norm" also adds the residual and normalises rows;
+# "gemv-flat" / "gemv-norm": the same over a batch-1 GEMV's outputs (with the gated
+# activation fused) that the GEMV pushed itself (16-bit dtypes only).
 CASES: List[Tuple[str, Tuple[int, ...]]] = [
-    ("flat", (3000,)), ("norm", (3, 48)), ("flat", (5,)), ("norm", (1, 48)),
-    ("flat", (2, 33)), ("norm", (4, 48)), ("flat", (7,)), ("flat", (2100,)),
-    ("norm", (2, 48)), ("flat", (1,)),
+    ("flat", (3000,)), ("norm", (3, 48)), ("gemv-norm", (1, 48)), ("flat", (5,)),
+    ("norm", (1, 48)), ("gemv-flat", (1, 37)), ("flat", (2, 33)), ("norm", (4, 48)),
+    ("flat", (7,)), ("gemv-norm", (1, 48)), ("flat", (2100,)), ("norm", (2, 48)),
+    ("flat", (1,)),
 ]
+GEMV_K = 80
+"""Inner size of the gemv cases (not a multiple of the kernel's K step)."""
 
 
 def case_inputs(i: int, kind: str, shape, world: int, dtype: torch.dtype):
@@ -43,8 +49,16 @@ def case_inputs(i: int, kind: str, shape, world: int, dtype: torch.dtype):
     return parts, residual, weight
 
 
+def gemv_inputs(i: int, n: int, world: int, dtype: torch.dtype):
+    """Every rank's gate_up row ``[1, 2K]`` and weight ``[n, K]`` of gemv call ``i``."""
+    g = torch.Generator().manual_seed(5000 + i)
+    xs = [torch.randn(1, 2 * GEMV_K, generator=g).to(dtype) for _ in range(world)]
+    ws = [(torch.randn(n, GEMV_K, generator=g) / GEMV_K ** 0.5).to(dtype) for _ in range(world)]
+    return xs, ws
+
+
 def check_case(i, kind, got, parts, residual, weight) -> None:
-    if kind == "flat":
+    if kind.endswith("flat"):
         want = all_reduce_ref(parts)
         assert torch.equal(got, want), f"call {i}: sum differs"
         return
@@ -55,18 +69,31 @@ def check_case(i, kind, got, parts, residual, weight) -> None:
                                msg=f"call {i}: normed output differs")
 
 
-def run_cases(rank: int, world: int, dtype, device, flat_fn, norm_fn) -> None:
-    """Every case in order (twice) through ``flat_fn(x)`` / ``norm_fn(x, residual,
-    weight, eps)``, each checked against the reference; raises on the first mismatch."""
+def run_cases(rank: int, world: int, dtype, device, impl) -> None:
+    """Every case in order (twice) through ``impl`` (a ``CustomAllReduce``), each checked
+    against the reference; raises on the first mismatch. A gemv case's partial sums are
+    what the (unpushed) GEMV kernel gives for each rank's inputs."""
+    from cvllm.kernels.gemv import gemv
+
     for rep in range(2):
         for i, (kind, shape) in enumerate(CASES):
+            if kind.startswith("gemv") and dtype == torch.float32:
+                continue
             parts, residual, weight = case_inputs(i + 100 * rep, kind, shape, world, dtype)
             x = parts[rank].to(device)
-            if kind == "flat":
-                got = flat_fn(x).cpu()
+            if kind.startswith("gemv"):
+                xs, ws = gemv_inputs(i + 100 * rep, shape[-1], world, dtype)
+                ws = [w.to(device) for w in ws]
+                parts = [gemv(xr.to(device), wr, act="silu").cpu() for xr, wr in zip(xs, ws)]
+                target = impl.push_target(shape[-1], dtype)
+                assert target is not None
+                x = gemv(xs[rank].to(device), ws[rank], act="silu", push=target)  # [1, N]
+                impl.mark_pushed(x)
+            if kind.endswith("flat"):
+                got = impl.all_reduce(x).cpu()
             else:
                 res = residual.clone().to(device)  # updated in place
-                out, res_out = norm_fn(x, res, weight.to(device), EPS)
+                out, res_out = impl.all_reduce_rms_norm(x, res, weight.to(device), EPS)
                 assert res_out is res, "the residual is updated in place"
                 got = (out.cpu(), res_out.cpu())
             check_case(i, kind, got, parts, residual, weight)
@@ -77,16 +104,12 @@ def rank_main(rank: int, world: int, bufs, dtype, slot_bytes: int, q) -> None:
     try:
         views = [ar.payload_view(b, torch.empty((), dtype=dtype).element_size()) for b in bufs]
         state = ar.new_state(torch.device("cpu"))
-
-        def flat(x):
-            return ar.lamport_all_reduce(x, views, state, rank, world, slot_bytes)
-
-        def norm(x, res, w, eps):
-            return ar.lamport_all_reduce(x, views, state, rank, world, slot_bytes, res, w, eps)
-
-        run_cases(rank, world, dtype, "cpu", flat, norm)
+        impl = CustomAllReduce.over(views, state, rank, world, slot_bytes)
+        run_cases(rank, world, dtype, "cpu", impl)
         # The phase stays in 0..2 (no counter to overflow) and the ticket is reset.
-        assert state[:2].tolist() == [(2 * len(CASES)) % 3, 0], state.tolist()
+        calls = 2 * sum(1 for kind, _ in CASES
+                        if dtype != torch.float32 or not kind.startswith("gemv"))
+        assert state[:2].tolist() == [calls % 3, 0], state.tolist()
         q.put((rank, "ok"))
     except BaseException:
         q.put((rank, traceback.format_exc()))

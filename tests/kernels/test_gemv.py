@@ -52,10 +52,32 @@ CPU_CASES = [
 ]
 
 
+def check_gated(n, k, act, dtype=torch.float16, device="cpu") -> None:
+    """``gemv(x, w, act=a)`` over a ``[1, 2K]`` gate_up row equals the activation kernel
+    followed by the GEMV bit for bit (the same roundings and summation order), and the
+    reference within the GEMV tolerance."""
+    from cvllm.kernels.activation import act_and_mul
+    from cvllm.kernels.gemv import gemv
+    from cvllm.kernels.reference import act_and_mul_ref
+
+    g = torch.Generator().manual_seed(n + k)
+    x = (2 * torch.randn(1, 2 * k, generator=g)).to(dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype=dtype, device=device)
+    got = gemv(x, w, act=act)
+    assert got.shape == (1, n)
+    assert torch.equal(got, gemv(act_and_mul(x, act), w)), act
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(got.float().cpu(),
+                               gemv_ref(act_and_mul_ref(x, act), w).float().cpu(),
+                               atol=tol, rtol=tol)
+
+
 def run_cpu_cases() -> None:
     """Entry point of the interpreter subprocess."""
     for case in CPU_CASES:
         check_gemv(**case)
+    for n, k, act in [(16, 64, "silu"), (9, 100, "gelu"), (12, 40, "gelu_tanh")]:
+        check_gated(n, k, act)
 
 
 def test_kernel_interpreted_on_cpu():
@@ -93,6 +115,18 @@ def test_wrapper_rejects_bad_inputs():
         gemv(x, torch.randn(16, 8, dtype=torch.float16).t())
     with pytest.raises(ValueError, match="bias"):
         gemv(x, w, torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="activation"):
+        gemv(torch.cat([x, x], dim=-1), w, act="relu2")
+    with pytest.raises(ValueError, match="2K"):  # a gated row is twice as wide as K
+        gemv(x, w, act="silu")
+    from cvllm.kernels.allreduce import PushTarget
+
+    target = PushTarget([torch.zeros(64, dtype=torch.int16)], torch.zeros(8, dtype=torch.int32),
+                        0, 1, slot_bytes=8)
+    with pytest.raises(ValueError, match="slot"):  # 8 outputs of 2 bytes exceed 8 bytes
+        gemv(x, w, push=target)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.zeros(8, dtype=torch.float16), push=target._replace(slot_bytes=64))
 
 
 def test_use_gemv_only_for_a_large_single_cuda_row():
@@ -138,3 +172,30 @@ def test_linear_layer_routes_one_row_to_gemv(monkeypatch):
     calls.clear()
     layer(torch.cat([x, x]))
     assert not calls
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_gemv_gpu_and_the_mlp_route(act, monkeypatch):
+    """The gated GEMV at the 8B down shape equals act_and_mul + GEMV bit for bit; a
+    RowParallelLinear given the activation routes one row to it, two rows to the plain
+    path, with the same values."""
+    from cvllm.kernels import gemv as g
+    from cvllm.layers.activation import get_act_and_mul_fn
+    from cvllm.layers.linear import RowParallelLinear
+
+    check_gated(4096, 14336, act, dtype=torch.bfloat16, device="cuda")
+    layer = RowParallelLinear(4096, 1024, bias=False, params_dtype=torch.bfloat16).cuda()
+    layer.weight.data.normal_(0, 0.03)
+    act_fn = get_act_and_mul_fn("silu" if act == "silu" else "gelu_pytorch_tanh")
+    seen = []
+    real = g.gemv
+    monkeypatch.setattr(g, "gemv", lambda *a, **kw: seen.append(kw.get("act")) or real(*a, **kw))
+    x = torch.randn(2, 8192, device="cuda", dtype=torch.bfloat16)
+    one = layer(x[:1], act_fn=act_fn)
+    assert seen == [act]
+    both = layer(x, act_fn=act_fn)
+    assert seen == [act], "two rows stay with the plain path"
+    assert torch.equal(one, layer(act_fn(x[:1])))  # the unfused GEMV
+    torch.testing.assert_close(both[:1].float(), one.float(), atol=1.6e-2, rtol=1.6e-2)
