@@ -50,6 +50,11 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 BODY_TIMEOUT_S = 60.0
 """Once a header arrived, its body follows at once; waiting longer means a broken stream."""
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
+HOT_WINDOW_S = 0.1
+"""For this long after a message a worker polls without sleeping (it only yields): while
+rank 0 is stepping, the next STEP comes within a step's time, and a sleep of even 20 us
+(60+ us with the kernel's timer slack), grown to 1 ms across a 3 ms decode step, would
+delay this rank's launch; after an idle window the worker backs off (no spinning core)."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -128,6 +133,7 @@ class ControlPlane(ABC):
         self._broken: Optional[str] = None
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._hot_until = 0.0  # receivers poll without sleeping until then (HOT_WINDOW_S)
 
     # ----- rank 0 ---------------------------------------------------------------------
 
@@ -184,8 +190,12 @@ class ControlPlane(ABC):
         header_bytes = self._recv_bytes(HEADER_SIZE, timeout_s)
         try:
             header = decode_header(header_bytes, self.max_body_bytes)
+            # The body follows at once; after a STEP, the next one within a step's time.
+            self._hot_until = time.monotonic() + HOT_WINDOW_S
             payload = self._recv_bytes(header.body_len, BODY_TIMEOUT_S) \
                 if header.body_len else b""
+            if header.kind != MessageKind.STEP:
+                self._hot_until = 0.0  # heartbeats and the like: idle, back off
             return decode_body(header, header_bytes, payload)
         except ControlPlaneError as e:
             self._broken = str(e)
@@ -215,14 +225,20 @@ class ControlPlane(ABC):
         self.close()
 
 
-def _poll(done, timeout_s: Optional[float], what: str) -> None:
-    """Call ``done()`` with a growing sleep (20 us .. 1 ms) until it is true or the
-    deadline passes (``ControlPlaneTimeout``)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _poll(done, timeout_s: Optional[float], what: str, hot_until: float = 0.0) -> None:
+    """Call ``done()`` until it is true or the deadline passes (``ControlPlaneTimeout``):
+    until ``hot_until`` (a ``time.monotonic()`` value) only yielding the GIL between
+    calls, then with a growing sleep (20 us .. 1 ms)."""
+    now = time.monotonic()
+    deadline = None if timeout_s is None else now + timeout_s
     pause = _POLL_MIN_S
     while not done():
-        if deadline is not None and time.monotonic() >= deadline:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
             raise ControlPlaneTimeout(f"no {what} within {timeout_s:.1f} s")
+        if now < hot_until:
+            time.sleep(0)
+            continue
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
 
@@ -249,7 +265,7 @@ class MPIControlPlane(ControlPlane):
         request, buf = self._pending
         if len(buf) != n:
             raise ControlPlaneError(f"pending receive of {len(buf)} bytes, asked for {n}")
-        _poll(request.Test, timeout_s, "control message")
+        _poll(request.Test, timeout_s, "control message", self._hot_until)
         self._pending = None
         return bytes(buf)
 
@@ -289,7 +305,7 @@ class GlooControlPlane(ControlPlane):
         work, t = self._pending
         if t.numel() != n:
             raise ControlPlaneError(f"pending receive of {t.numel()} bytes, asked for {n}")
-        _poll(work.is_completed, timeout_s, "control message")
+        _poll(work.is_completed, timeout_s, "control message", self._hot_until)
         self._pending = None
         try:
             work.wait()

@@ -70,6 +70,37 @@ def test_recv_timeout_keeps_plane_usable():
     assert worker.recv(timeout_s=1).kind == MessageKind.SHUTDOWN
 
 
+def test_poll_yields_while_hot_then_backs_off(monkeypatch):
+    """Within the hot window the poll never sleeps (a STEP is due within a step's time);
+    past it, the sleeps grow from 20 us to at most 1 ms."""
+    from cvllm.distributed import control_plane as cp
+
+    slept = []
+    monkeypatch.setattr(cp.time, "sleep", slept.append)
+    calls = iter([False] * 5 + [True])
+    cp._poll(lambda: next(calls), 5.0, "x", hot_until=time.monotonic() + 60)
+    assert slept == [0, 0, 0, 0, 0]
+    slept.clear()
+    calls = iter([False] * 9 + [True])
+    cp._poll(lambda: next(calls), 5.0, "x", hot_until=0.0)
+    assert slept[0] == pytest.approx(20e-6) and slept[-1] == pytest.approx(1e-3)
+    assert all(b >= a for a, b in zip(slept, slept[1:]))
+    with pytest.raises(ControlPlaneTimeout):  # the deadline holds while hot too
+        cp._poll(lambda: False, 0.0, "x", hot_until=time.monotonic() + 60)
+
+
+def test_a_step_makes_the_worker_poll_hot_a_heartbeat_does_not():
+    from cvllm.distributed import control_plane as cp
+
+    sender, worker, _ = _pair()
+    sender.broadcast(MessageKind.STEP, 1, make_step(1).pack())
+    worker.recv(timeout_s=1)
+    assert worker._hot_until > time.monotonic() + cp.HOT_WINDOW_S / 2
+    sender.broadcast(MessageKind.HEARTBEAT, 1)
+    worker.recv(timeout_s=1)
+    assert worker._hot_until == 0.0
+
+
 def test_sender_checks_bodies():
     sender, worker, _ = _pair()
     with pytest.raises(ControlPlaneError, match="carries no body"):
