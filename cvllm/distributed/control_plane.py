@@ -51,10 +51,11 @@ BODY_TIMEOUT_S = 60.0
 """Once a header arrived, its body follows at once; waiting longer means a broken stream."""
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 HOT_WINDOW_S = 0.1
-"""For this long after a message a worker polls without sleeping (it only yields): while
-rank 0 is stepping, the next STEP comes within a step's time, and a sleep of even 20 us
-(60+ us with the kernel's timer slack), grown to 1 ms across a 3 ms decode step, would
-delay this rank's launch; after an idle window the worker backs off (no spinning core)."""
+"""After a STEP, a worker's next receive polls this long without sleeping (it only yields
+the GIL; one core busy while steps keep coming): while rank 0 is stepping the next STEP
+comes within a step's time, and a sleep of even 20 us (60+ us with the kernel's timer
+slack), grown to 1 ms across a 3 ms decode step, would delay this rank's launch. Past
+the window, or after a HEARTBEAT (rank 0 idle), it backs off to the growing sleep."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -134,6 +135,7 @@ class ControlPlane(ABC):
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._hot_until = 0.0  # receivers poll without sleeping until then (HOT_WINDOW_S)
+        self._after_step = False  # the last message received was a STEP
 
     # ----- rank 0 ---------------------------------------------------------------------
 
@@ -187,15 +189,17 @@ class ControlPlane(ABC):
             raise ControlPlaneError("rank 0 sends, it does not receive")
         if self._broken:
             raise ControlPlaneError(f"control plane is broken: {self._broken}")
+        # After a STEP the next one is due within a step's time of this call (the worker
+        # calls recv once it has launched that step).
+        self._hot_until = time.monotonic() + HOT_WINDOW_S if self._after_step else 0.0
         header_bytes = self._recv_bytes(HEADER_SIZE, timeout_s)
         try:
             header = decode_header(header_bytes, self.max_body_bytes)
-            # The body follows at once; after a STEP, the next one within a step's time.
-            self._hot_until = time.monotonic() + HOT_WINDOW_S
+            self._hot_until = time.monotonic() + HOT_WINDOW_S  # the body follows at once
             payload = self._recv_bytes(header.body_len, BODY_TIMEOUT_S) \
                 if header.body_len else b""
-            if header.kind != MessageKind.STEP:
-                self._hot_until = 0.0  # heartbeats and the like: idle, back off
+            # Heartbeats and the like: rank 0 is idle, so back off.
+            self._after_step = header.kind == MessageKind.STEP
             return decode_body(header, header_bytes, payload)
         except ControlPlaneError as e:
             self._broken = str(e)

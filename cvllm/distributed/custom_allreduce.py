@@ -106,12 +106,17 @@ class CustomAllReduce:
         The caller passes the GEMV's output to ``mark_pushed``; the next call on this
         object must then be the reduction of that output."""
         if (not PUSH_ENABLED or self._pushed is not None or dtype not in _DTYPES
-                or not 0 < numel * torch.empty((), dtype=dtype).element_size() <= self.slot_bytes):
+                or not 0 < numel * dtype.itemsize <= self.slot_bytes):
             return None
         return ar.PushTarget(self.bufs, self.state, self.rank, self.world, self.slot_bytes)
 
     def mark_pushed(self, y: torch.Tensor) -> None:
         self._pushed = (y.data_ptr(), y.numel())
+
+    def forget_push(self) -> None:
+        """Drop a push whose call never came because the forward raised before it (a
+        failed CUDA graph capture, which ran nothing on the device)."""
+        self._pushed = None
 
     def _take_pushed(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is the pushed GEMV output (its values are in the buffers); any

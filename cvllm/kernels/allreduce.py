@@ -28,10 +28,12 @@ rows itself, from its epilogue (``push_slot``), as each program finishes; the ca
 sums them then only polls (``pushed=True``), so the values travel while the rest of the
 weight stream is still being read. That GEMV reads the phase only after ``gdc_wait``, and
 triggers its dependents only after it too, so the call before it has completed by then,
-as for the kernel's own push. The summing call is launched with PDL and waits for no
-kernel: every value it reads beyond its own buffer comes from kernels that completed
+as for the kernel's own push. A summing call of one program (batch 1) is launched with
+PDL and waits for no kernel: every value it reads beyond its own buffer (the state and
+the residual, read volatile, and the norm weight) comes from kernels that completed
 before the GEMV's programs passed their wait, and it writes only once every program of
-the GEMV on this rank has pushed (has read its inputs); the GEMV writes nothing else.
+the GEMV on this rank has pushed (has read its inputs); the GEMV writes nothing else. A
+call of several programs is launched normally (``lamport_all_reduce``).
 
 State is on the device (``state``: the phase, a ticket, elements used per phase), so the
 kernel can be captured in CUDA graphs and replayed in any order with eager calls: the
@@ -129,7 +131,10 @@ def _lamport_kernel(
         mask = cols < N
         idx = row * N + cols  # position in the slot (rows packed)
         # Independent of the peers: in flight while the values travel.
-        resid = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # volatile (PUSHED): launched early, this grid has waited on no kernel; read the
+        # previous call's residual where it is coherent, not from a stale L1 line.
+        resid = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0,
+                        volatile=PUSHED).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if not PUSHED:
             x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -141,7 +146,7 @@ def _lamport_kernel(
     pay_ty = b0.dtype.element_ty
     # One load of the whole state: the phase and what the previous call used.
     slots = tl.arange(0, _STATE)
-    state = tl.load(state_ptr + slots)
+    state = tl.load(state_ptr + slots, volatile=PUSHED)
     phase = tl.sum(tl.where(slots == 0, state, 0), axis=0)  # 0, 1, 2: never wraps
     prev = (phase + 2) % 3
     used = tl.sum(tl.where(slots == 2 + prev, state, 0), axis=0)
@@ -274,8 +279,15 @@ def lamport_all_reduce(
     b = list(bufs) + [bufs[0]] * (8 - world)
     use_pdl = pdl.enabled(x)
     common = dict(RANK=rank, WORLD=world, SENT=SENTINEL_BITS[x.element_size()],
-                  PUSHED=pushed, PDL=use_pdl,
-                  **({"launch_pdl": True} if pushed and use_pdl else {}))
+                  PUSHED=pushed, PDL=use_pdl)
+
+    def early(programs: int) -> dict:
+        """PDL launch of a pushed call of one program: it writes only after every
+        value arrived, i.e. after the GEMV has read all its inputs. With several
+        programs, one could write its rows (into memory the allocator may have just
+        freed from the GEMV's input) while other GEMV programs still read: those wait
+        for the GEMV like any kernel."""
+        return {"launch_pdl": True} if pushed and use_pdl and programs == 1 else {}
     if weight is None:
         flat = x.reshape(-1)  # [numel]
         if not pushed:
@@ -286,7 +298,7 @@ def lamport_all_reduce(
             _lamport_kernel[grid](flat, flat, flat, out, out, state, *b, 0, flat.numel(),
                                   slot_elems, 0.0, 0, 0, 0, 0, HAS_NORM=False,
                                   ONE_PROGRAM=grid[0] == 1,
-                                  BLOCK=FLAT_BLOCK, num_warps=8, **common)
+                                  BLOCK=FLAT_BLOCK, num_warps=8, **common, **early(grid[0]))
         return out.view(x.shape)
     n = x.shape[-1]
     x2 = x.reshape(-1, n)  # [R, N]
@@ -301,5 +313,6 @@ def lamport_all_reduce(
             x2, r2, weight, out, r2, state, *b, n, x2.numel(), slot_elems, float(eps),
             x2.stride(0), r2.stride(0), out.stride(0), r2.stride(0), HAS_NORM=True,
             ONE_PROGRAM=x2.shape[0] == 1,
-            BLOCK=block, num_warps=min(max(block // 512, 1), 16), **common)
+            BLOCK=block, num_warps=min(max(block // 512, 1), 16), **common,
+            **early(x2.shape[0]))
     return out.view(x.shape), residual

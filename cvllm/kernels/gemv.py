@@ -180,9 +180,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                          f"{tuple(x.shape)}, {tuple(weight.shape)}")
     if x.numel() != width:
         raise ValueError(f"gemv takes one row; x has {x.numel() // max(x.shape[-1], 1)}")
-    if push is not None and (bias is not None
-                             or weight.shape[0] * x.element_size() > push.slot_bytes):
-        raise ValueError("a pushed GEMV takes no bias and must fit the all-reduce slot")
+    if push is not None:
+        if bias is not None or weight.shape[0] * x.element_size() > push.slot_bytes:
+            raise ValueError("a pushed GEMV takes no bias and must fit the all-reduce slot")
+        if (len(push.bufs) != push.world or not 0 <= push.rank < push.world
+                or any(b.device != x.device or b.element_size() != x.element_size()
+                       for b in push.bufs)
+                or push.state.device != x.device or push.state.dtype != torch.int32):
+            raise ValueError("the push target needs one buffer per rank of x's element "
+                             "size, on x's device, an int32 state there and a rank in range")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a dtype in {_DTYPES}; got {x.dtype}, "
                          f"{weight.dtype}")

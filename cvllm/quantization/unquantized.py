@@ -61,14 +61,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if x.is_cuda:
             from cvllm.kernels import gemv as g
 
+            w = layer.weight
+            bias_ok = bias is None or bias.dtype == x.dtype
             act = getattr(act_fn, "kernel_activation", None) if FUSE_ACT else None
-            if act is not None and not g.use_gemv(x, layer.weight, gated=True):
+            if act is not None and not (bias_ok and g.use_gemv(x, w, gated=True)):
                 act = None
             if act_fn is not None and act is None:
                 x = act_fn(x)  # [.., I]
-            if g.use_gemv(x, layer.weight, gated=act is not None) and bias is None:
-                target = sink.push_target(layer.weight.shape[0], x.dtype) if sink else None
-                y = g.gemv(x, layer.weight, act=act, push=target)
+            if bias_ok and g.use_gemv(x, w, gated=act is not None):
+                target = None
+                if sink is not None and bias is None:
+                    target = sink.push_target(w.shape[0], x.dtype)
+                y = g.gemv(x, w, bias, act=act, push=target)
                 if target is not None:
                     sink.mark_pushed(y)
                 return y

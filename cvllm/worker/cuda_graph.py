@@ -41,6 +41,7 @@ from cvllm.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
 from cvllm.core.block_manager import cdiv
 from cvllm.core.step_input import StepInput, StepInputError
+from cvllm.distributed import custom_allreduce
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -264,6 +265,9 @@ class CudaGraphRunner:
                 self.graphs[bs], self.outputs[bs] = graph, out
         except RuntimeError as e:
             logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+            fast = custom_allreduce.active()
+            if fast is not None:  # a push recorded in the failed capture never ran
+                fast.forget_push()
             self.graphs.clear()
             self.outputs.clear()
         torch.cuda.synchronize(self.device)

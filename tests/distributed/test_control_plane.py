@@ -89,16 +89,30 @@ def test_poll_yields_while_hot_then_backs_off(monkeypatch):
         cp._poll(lambda: False, 0.0, "x", hot_until=time.monotonic() + 60)
 
 
-def test_a_step_makes_the_worker_poll_hot_a_heartbeat_does_not():
-    from cvllm.distributed import control_plane as cp
-
+def test_a_step_makes_the_next_receive_hot_a_heartbeat_does_not():
+    """The hot window opens when the worker comes back for the message after a STEP
+    (however long that step ran), not while it waits after a HEARTBEAT."""
     sender, worker, _ = _pair()
+    seen = []
+
+    class Spy(type(worker)):
+        def _recv_bytes(self, n, timeout_s):
+            seen.append(self._hot_until - time.monotonic())
+            return super()._recv_bytes(n, timeout_s)
+
+    worker.__class__ = Spy
     sender.broadcast(MessageKind.STEP, 1, make_step(1).pack())
-    worker.recv(timeout_s=1)
-    assert worker._hot_until > time.monotonic() + cp.HOT_WINDOW_S / 2
+    worker.recv(timeout_s=1)  # header cold (nothing before it), body hot
+    assert seen[0] < 0 < seen[1]
+    time.sleep(0.15)  # a step longer than the window
     sender.broadcast(MessageKind.HEARTBEAT, 1)
+    seen.clear()
     worker.recv(timeout_s=1)
-    assert worker._hot_until == 0.0
+    assert seen[0] > 0  # the receive after a STEP starts hot
+    sender.broadcast(MessageKind.SHUTDOWN, 1)
+    seen.clear()
+    worker.recv(timeout_s=1)
+    assert seen[0] < 0  # after a heartbeat: cold
 
 
 def test_sender_checks_bodies():

@@ -171,6 +171,42 @@ def _graph_check(impl, rank: int, world: int, dev) -> None:
         assert torch.equal(got, all_reduce_ref(eager)), f"eager call after replay {it}"
 
 
+def _graph_push_check(impl, rank: int, world: int, dev) -> None:
+    """A CUDA graph of a pushed gated GEMV (8B down shape at TP=world) and the fused
+    all-reduce that sums it, replayed with new inputs: equal to the reference over the
+    unpushed GEMV's outputs of every rank."""
+    from cvllm.kernels.gemv import gemv
+
+    n, k = 4096, 14336 // world
+    gen = torch.Generator().manual_seed(11)
+    ws = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16) for _ in range(world)]
+    wn = (1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+    w_dev, wn_dev = ws[rank].to(dev), wn.to(dev)
+    sx = torch.zeros(1, 2 * k, dtype=torch.bfloat16, device=dev)  # [1, 2K] gate_up row
+    sres = torch.zeros(1, n, dtype=torch.bfloat16, device=dev)
+
+    def step():
+        y = gemv(sx, w_dev, act="silu", push=impl.push_target(n, torch.bfloat16))
+        impl.mark_pushed(y)
+        return impl.all_reduce_rms_norm(y, sres, wn_dev, EPS)[0]
+
+    step()  # compile before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for it in range(4):
+        xs = [torch.randn(1, 2 * k, generator=gen).to(torch.bfloat16) for _ in range(world)]
+        residual = torch.randn(1, n, generator=gen).to(torch.bfloat16)
+        parts = [gemv(xr.to(dev), wr.to(dev), act="silu").cpu() for xr, wr in zip(xs, ws)]
+        sx.copy_(xs[rank])
+        sres.copy_(residual)
+        g.replay()
+        want_out, want_res = all_reduce_rms_norm_ref(parts, residual, wn, EPS)
+        assert torch.equal(sres.cpu(), want_res), f"pushed replay {it}: residual"
+        torch.testing.assert_close(out.cpu().float(), want_out.float(), rtol=1e-2, atol=1e-2)
+
+
 def _gpu_rank(rank: int, world: int, port: int, q) -> None:
     msg = "ok"
     try:
@@ -185,6 +221,7 @@ def _gpu_rank(rank: int, world: int, port: int, q) -> None:
         impl = custom_allreduce.active()
         run_cases(rank, world, torch.bfloat16, dev, impl)
         _graph_check(impl, rank, world, dev)
+        _graph_push_check(impl, rank, world, dev)
         torch.cuda.synchronize()
     except BaseException:
         msg = traceback.format_exc()

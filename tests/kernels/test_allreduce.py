@@ -31,8 +31,10 @@ CASES: List[Tuple[str, Tuple[int, ...]]] = [
     ("flat", (3000,)), ("norm", (3, 48)), ("gemv-norm", (1, 48)), ("flat", (5,)),
     ("norm", (1, 48)), ("gemv-flat", (1, 37)), ("flat", (2, 33)), ("norm", (4, 48)),
     ("flat", (7,)), ("gemv-norm", (1, 48)), ("flat", (2100,)), ("norm", (2, 48)),
-    ("flat", (1,)),
+    ("gemv-flat", (1, 3000)), ("flat", (1,)),
 ]
+"""(A gemv-flat case over FLAT_BLOCK elements sums with several programs, launched as
+ordinary kernels after the GEMV.)"""
 GEMV_K = 80
 """Inner size of the gemv cases (not a multiple of the kernel's K step)."""
 

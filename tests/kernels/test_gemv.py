@@ -127,6 +127,11 @@ def test_wrapper_rejects_bad_inputs():
         gemv(x, w, push=target)
     with pytest.raises(ValueError, match="bias"):
         gemv(x, w, torch.zeros(8, dtype=torch.float16), push=target._replace(slot_bytes=64))
+    with pytest.raises(ValueError, match="one buffer per rank"):
+        gemv(x, w, push=target._replace(slot_bytes=64, world=2))
+    with pytest.raises(ValueError, match="one buffer per rank"):  # int32 bufs: 4-byte payload
+        gemv(x, w, push=target._replace(slot_bytes=64,
+                                        bufs=[torch.zeros(64, dtype=torch.int32)]))
 
 
 def test_use_gemv_only_for_a_large_single_cuda_row():
@@ -176,18 +181,20 @@ def test_linear_layer_routes_one_row_to_gemv(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_gated_gemv_gpu_and_the_mlp_route(act, monkeypatch):
+@pytest.mark.parametrize("act,bias", [("silu", False), ("gelu_tanh", False), ("silu", True)])
+def test_gated_gemv_gpu_and_the_mlp_route(act, bias, monkeypatch):
     """The gated GEMV at the 8B down shape equals act_and_mul + GEMV bit for bit; a
-    RowParallelLinear given the activation routes one row to it, two rows to the plain
-    path, with the same values."""
+    RowParallelLinear (with or without a bias) given the activation routes one row to
+    it, two rows to the plain path, with the same values."""
     from cvllm.kernels import gemv as g
     from cvllm.layers.activation import get_act_and_mul_fn
     from cvllm.layers.linear import RowParallelLinear
 
     check_gated(4096, 14336, act, dtype=torch.bfloat16, device="cuda")
-    layer = RowParallelLinear(4096, 1024, bias=False, params_dtype=torch.bfloat16).cuda()
+    layer = RowParallelLinear(4096, 1024, bias=bias, params_dtype=torch.bfloat16).cuda()
     layer.weight.data.normal_(0, 0.03)
+    if bias:
+        layer.bias.data.normal_(0, 0.5)
     act_fn = get_act_and_mul_fn("silu" if act == "silu" else "gelu_pytorch_tanh")
     seen = []
     real = g.gemv
