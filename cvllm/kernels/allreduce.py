@@ -91,18 +91,32 @@ def _buf(r: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
-def push_slot(vals, idx, mask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
+def push_slot(vals, idx, mask, phase, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
               RANK: tl.constexpr, WORLD: tl.constexpr, SENT: tl.constexpr):
-    """Store ``vals`` (16/32-bit floats) at ``idx`` of slot ``RANK`` of the current phase
-    on every rank: the push half of a call, also made by a GEMV's epilogue
-    (``kernels/gemv.py``, ``PushTarget``); -0.0 travels as +0.0."""
-    phase = tl.load(state_ptr)
+    """Store ``vals`` (16/32-bit floats) at ``idx`` of slot ``RANK`` of ``phase`` (the
+    state's first int) on every rank: the push half of a call, also made by a GEMV's
+    epilogue (``kernels/gemv.py``, ``PushTarget``); -0.0 travels as +0.0."""
     pay_ty = b0.dtype.element_ty
     bits = vals.to(pay_ty, bitcast=True)
     bits = tl.where(bits == SENT, 0, bits).to(pay_ty)
     for r in tl.static_range(WORLD):
         dst = _buf(r, b0, b1, b2, b3, b4, b5, b6, b7)
         tl.store(dst + (phase * WORLD + RANK) * slot_elems + idx, bits, mask=mask)
+
+
+@triton.jit
+def _poll_sum(mine, phase, slot_elems, idx, mask, dtype, WORLD: tl.constexpr,
+              SENT: tl.constexpr, BLOCK: tl.constexpr):
+    """Wait until every slot of ``phase`` in this rank's buffer holds no sentinel at
+    ``idx``; their float32 sum in rank order."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for r in tl.static_range(WORLD):
+        src = mine + (phase * WORLD + r) * slot_elems + idx
+        v = tl.load(src, mask=mask, other=0, volatile=True)
+        while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
+            v = tl.load(src, mask=mask, other=0, volatile=True)
+        acc += v.to(dtype, bitcast=True).to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -151,17 +165,10 @@ def _lamport_kernel(
     prev = (phase + 2) % 3
     used = tl.sum(tl.where(slots == 2 + prev, state, 0), axis=0)
     if not PUSHED:  # this rank's values into slot RANK of the phase, on every rank
-        push_slot(x, idx, mask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
+        push_slot(x, idx, mask, phase, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
                   RANK, WORLD, SENT)
-    # Poll this rank's own copy until every slot arrived; sum in rank order.
     mine = _buf(RANK, b0, b1, b2, b3, b4, b5, b6, b7)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for r in tl.static_range(WORLD):
-        src = mine + (phase * WORLD + r) * slot_elems + idx
-        v = tl.load(src, mask=mask, other=0, volatile=True)
-        while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
-            v = tl.load(src, mask=mask, other=0, volatile=True)
-        acc += v.to(dtype, bitcast=True).to(tl.float32)
+    acc = _poll_sum(mine, phase, slot_elems, idx, mask, dtype, WORLD, SENT, BLOCK)
     if HAS_NORM:
         summed = (acc.to(dtype).to(tl.float32) + resid).to(dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)

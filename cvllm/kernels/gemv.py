@@ -131,8 +131,8 @@ def _gemv_kernel(
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
     if PUSH:
-        push_slot(y, offs_n, nmask, state_ptr, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
-                  RANK, WORLD, SENT)
+        push_slot(y, offs_n, nmask, tl.load(state_ptr), slot_elems,
+                  b0, b1, b2, b3, b4, b5, b6, b7, RANK, WORLD, SENT)
     else:
         tl.store(y_ptr + offs_n, y, mask=nmask)
 
