@@ -29,6 +29,7 @@ uint8 tensors on a group of its own, async and polled the same way) and
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -55,7 +56,24 @@ HOT_WINDOW_S = 0.1
 the GIL; one core busy while steps keep coming): while rank 0 is stepping the next STEP
 comes within a step's time, and a sleep of even 20 us (60+ us with the kernel's timer
 slack), grown to 1 ms across a 3 ms decode step, would delay this rank's launch. Past
-the window, or after a HEARTBEAT (rank 0 idle), it backs off to the growing sleep."""
+the window, or after a HEARTBEAT (rank 0 idle), it backs off to the growing sleep.
+``CVLLM_HOT_POLL_S`` overrides it (0: never, e.g. where CPU quotas are tight)."""
+BODY_HOT_S = 0.01
+"""A message's body follows its header at once: polled hot this long whatever the window."""
+
+
+def hot_window_s() -> float:
+    """``CVLLM_HOT_POLL_S`` (seconds >= 0), else ``HOT_WINDOW_S``."""
+    text = os.environ.get("CVLLM_HOT_POLL_S", "").strip()
+    if not text:
+        return HOT_WINDOW_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise ValueError(f"CVLLM_HOT_POLL_S={text!r}: expected seconds >= 0")
+    return value
 
 
 class ControlPlaneError(RuntimeError):
@@ -134,7 +152,8 @@ class ControlPlane(ABC):
         self._broken: Optional[str] = None
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
-        self._hot_until = 0.0  # receivers poll without sleeping until then (HOT_WINDOW_S)
+        self._hot_until = 0.0  # receivers poll without sleeping until then
+        self.hot_window_s = hot_window_s()
         self._after_step = False  # the last message received was a STEP
 
     # ----- rank 0 ---------------------------------------------------------------------
@@ -191,11 +210,11 @@ class ControlPlane(ABC):
             raise ControlPlaneError(f"control plane is broken: {self._broken}")
         # After a STEP the next one is due within a step's time of this call (the worker
         # calls recv once it has launched that step).
-        self._hot_until = time.monotonic() + HOT_WINDOW_S if self._after_step else 0.0
+        self._hot_until = time.monotonic() + self.hot_window_s if self._after_step else 0.0
         header_bytes = self._recv_bytes(HEADER_SIZE, timeout_s)
         try:
             header = decode_header(header_bytes, self.max_body_bytes)
-            self._hot_until = time.monotonic() + HOT_WINDOW_S  # the body follows at once
+            self._hot_until = time.monotonic() + BODY_HOT_S  # the body follows at once
             payload = self._recv_bytes(header.body_len, BODY_TIMEOUT_S) \
                 if header.body_len else b""
             # Heartbeats and the like: rank 0 is idle, so back off.

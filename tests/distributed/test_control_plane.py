@@ -115,6 +115,24 @@ def test_a_step_makes_the_next_receive_hot_a_heartbeat_does_not():
     assert seen[0] < 0  # after a heartbeat: cold
 
 
+def test_hot_window_setting(monkeypatch):
+    from cvllm.distributed import control_plane as cp
+
+    monkeypatch.delenv("CVLLM_HOT_POLL_S", raising=False)
+    assert cp.hot_window_s() == cp.HOT_WINDOW_S
+    monkeypatch.setenv("CVLLM_HOT_POLL_S", "0")
+    sender, worker, _ = _pair()
+    assert worker.hot_window_s == 0.0
+    sender.broadcast(MessageKind.STEP, 1, make_step(1).pack())
+    worker.recv(timeout_s=1)
+    sender.broadcast(MessageKind.SHUTDOWN, 1)
+    assert worker.recv(timeout_s=1).kind == MessageKind.SHUTDOWN  # works without hot polls
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("CVLLM_HOT_POLL_S", bad)
+        with pytest.raises(ValueError, match="CVLLM_HOT_POLL_S"):
+            cp.hot_window_s()
+
+
 def test_sender_checks_bodies():
     sender, worker, _ = _pair()
     with pytest.raises(ControlPlaneError, match="carries no body"):
