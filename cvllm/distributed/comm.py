@@ -53,19 +53,16 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     the custom all-reduce takes these tensors (``residual`` is updated in place), else
     None: the caller then all-reduces and normalises itself. The roundings are those of
     ``tensor_model_parallel_all_reduce`` followed by ``layers.layernorm.RMSNorm``."""
-    group = parallel_state.get_tp_group()
-    if group.world_size == 1 or _inprocess(group.device_group, group.rank_in_group) is not None:
-        return None
-    fast = custom_allreduce.active()
+    fast = custom_path()
     if fast is None or not fast.accepts_norm(x, residual, weight):
         return None
     return fast.all_reduce_rms_norm(x, residual, weight, eps)
 
 
-def partial_sum_sink() -> Optional["custom_allreduce.CustomAllReduce"]:
-    """The custom all-reduce, for a row-parallel GEMV whose partial sums go straight into
-    the next reduction (``CustomAllReduce.push_target``), or None where that path is off
-    (one rank, in-process ranks, NCCL only)."""
+def custom_path() -> Optional["custom_allreduce.CustomAllReduce"]:
+    """The custom all-reduce where it serves this TP group, else None (one rank,
+    in-process ranks, NCCL only); also where a row-parallel GEMV pushes its partial sums
+    for the next reduction (``CustomAllReduce.push_target``)."""
     group = parallel_state.get_tp_group()
     if group.world_size == 1 or _inprocess(group.device_group, group.rank_in_group) is not None:
         return None

@@ -20,7 +20,7 @@ buffer into this process; the kernel gets every rank's buffer as a tensor. The b
 
 A batch-1 GEMV of a row-parallel layer may push its output rows itself
 (``push_target``, from ``layers/linear.RowParallelLinear`` through
-``comm.partial_sum_sink``): the next call then only waits for the slots and sums. The
+``comm.custom_path``): the next call then only waits for the slots and sums. The
 object remembers the pushed tensor, and that call must be the next one (any other raises:
 it would take the pushed phase).
 
@@ -121,14 +121,11 @@ class CustomAllReduce:
     def _take_pushed(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is the pushed GEMV output (its values are in the buffers); any
         other tensor while one waits is a bug (its call would take the pushed phase)."""
-        if self._pushed is None:
-            return False
-        if self._pushed != (x.data_ptr(), x.numel()):
-            self._pushed = None
+        pushed, self._pushed = self._pushed, None
+        if pushed is not None and pushed != (x.data_ptr(), x.numel()):
             raise RuntimeError("custom all-reduce: a GEMV pushed its output for the next "
                                "call, but that call reduces another tensor")
-        self._pushed = None
-        return True
+        return pushed is not None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the group, as a new tensor (``x`` is not changed)."""

@@ -198,6 +198,11 @@ def _lamport_kernel(
             tl.store(state_ptr, (phase + 1) % 3)
 
 
+def _eight(bufs: Sequence[torch.Tensor]) -> list:
+    """The kernels' ``b0..b7`` arguments: every rank's buffer, then the first repeated."""
+    return list(bufs) + [bufs[0]] * (8 - len(bufs))
+
+
 class PushTarget(NamedTuple):
     """Where a GEMV pushes its rows for the next call (``lamport_all_reduce``'s arguments
     of that call): every rank's buffer as mapped here, this rank's state, its rank."""
@@ -210,8 +215,7 @@ class PushTarget(NamedTuple):
 
     def kernel_args(self, element_size: int) -> Tuple[list, dict]:
         """The ``state_ptr, slot_elems, b0..b7`` arguments and the constexprs."""
-        b = list(self.bufs) + [self.bufs[0]] * (8 - self.world)
-        return ([self.state, self.slot_bytes // element_size] + b,
+        return ([self.state, self.slot_bytes // element_size] + _eight(self.bufs),
                 dict(RANK=self.rank, WORLD=self.world, SENT=SENTINEL_BITS[element_size]))
 
 
@@ -283,7 +287,7 @@ def lamport_all_reduce(
     the device has it: its wait for the peers' values is its wait for the GEMV."""
     _check(x, bufs, state, rank, world, slot_bytes, residual, weight)
     slot_elems = slot_bytes // x.element_size()
-    b = list(bufs) + [bufs[0]] * (8 - world)
+    b = _eight(bufs)
     use_pdl = pdl.enabled(x)
     common = dict(RANK=rank, WORLD=world, SENT=SENTINEL_BITS[x.element_size()],
                   PUSHED=pushed, PDL=use_pdl)

@@ -28,8 +28,8 @@ from torch import nn
 
 from cvllm.distributed import parallel_state
 from cvllm.distributed.comm import (
+    custom_path,
     tensor_model_parallel_all_gather,
-    partial_sum_sink,
     tensor_model_parallel_all_reduce,
 )
 from cvllm.layers.utils import (
@@ -394,7 +394,7 @@ class RowParallelLinear(LinearBase):
     push_partial = False
     """Set by a decoder layer whose next step reduces this layer's partial sums itself
     (``reduce_results=False``, then ``RMSNorm(.., reduce=True)``): a batch-1 GEMV then
-    pushes them to the custom all-reduce from its epilogue (``comm.partial_sum_sink``)."""
+    pushes them to the custom all-reduce from its epilogue (``comm.custom_path``)."""
 
     def forward(self, x: torch.Tensor, act_fn: Optional[nn.Module] = None) -> torch.Tensor:
         """``act_fn``: a gated activation (``layers/activation``) that ``x``, a
@@ -408,7 +408,7 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if self.tp_rank == 0 else None
         sink = None
         if self.push_partial and not self.reduce_results and bias is None:
-            sink = partial_sum_sink()
+            sink = custom_path()
         fused = getattr(self.quant_method, "apply_fused", None)
         if fused is not None and (act_fn is not None or sink is not None):
             y = fused(self, x, bias, act_fn, sink)  # [.., out] partial sum
