@@ -39,6 +39,19 @@ PAD_SLOT_ID = -1
 """slot_mapping value of a padding token: nothing is written for it."""
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """A layer's rotary embedding, handed to a backend that applies it together with the
+    K/V cache write (``backends/triton_backend.py``). Built per layer call by
+    ``layers/rotary.RotaryEmbedding.rope_inputs``; the backend rotates q and k in place,
+    as ``RotaryEmbedding.forward`` would have."""
+
+    positions: torch.Tensor  # [T] int: every token's position, padding rows included
+    cos_sin_cache: torch.Tensor  # [max_pos, rotary_dim] float32: cos half | sin half
+    head_size: int
+    is_neox_style: bool
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token

@@ -224,7 +224,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, ACT=0 if act is None else ACTIVATIONS[act] + 1,
         PUSH=push is not None, PDL=use_pdl, num_warps=warps, **push_const,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **pdl.launch_args(x),
     )
     return y
 

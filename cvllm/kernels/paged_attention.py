@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_launch_dependents
+from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -244,6 +244,7 @@ def _decode_kernel(
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
     of its visible keys ``[start, seq_len)``."""
     if PDL:
+        gdc_wait()  # q and the cache come from the kernels before (launched with PDL)
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if FP8:
@@ -306,6 +307,7 @@ def _merge_kernel(
 ):
     """``out[b, h] = sum_s 2**lse_s * o_s / sum_s 2**lse_s`` over the splits."""
     if PDL:
+        gdc_wait()  # the partials come from the decode kernel (launched with PDL)
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     b, h = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -342,7 +344,7 @@ def merge_attention_partials(
         _merge_kernel[(B, H)](
             part_out, part_lse, out, S, H, D, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-            PDL=pdl.enabled(out),
+            PDL=pdl.enabled(out), **pdl.launch_args(out),
         )
     return out
 
@@ -441,6 +443,7 @@ def decode_attention(
         FP8=fp8, FUSED_MERGE=fused, PDL=pdl.enabled(q),
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused and not direct else 2,
         num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
+        **pdl.launch_args(q),
     )
     if not direct and not fused:
         merge_attention_partials(part_out, part_lse, out)

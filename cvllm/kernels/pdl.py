@@ -15,8 +15,17 @@ custom all-reduce of the values a GEMV pushed, ``kernels/allreduce.py``, which w
 the values instead of on the kernel) starts only once every kernel before the GEMV has
 completed.
 
+The attention kernels of a decode step are launched with PDL too, but wait first thing:
+the fused rotary + K/V-cache write (``kernels/rotary.rotary_write_kv``, after the QKV
+GEMV), the decode kernel after it and the split merge after that
+(``kernels/paged_attention.py``). They have nothing to load before their inputs, so
+what they gain is their launch: each one's programs are already resident when the
+kernel before it finishes.
+
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
-kernel writes (weights) and writes nothing.
+kernel writes (weights) and writes nothing; it triggers its dependents only after its
+own ``gdc_wait``, so a kernel that has passed its wait knows that every kernel before
+it on the stream has completed.
 """
 
 from __future__ import annotations
@@ -52,3 +61,9 @@ def enabled(x: torch.Tensor) -> bool:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())
+
+
+def launch_args(x: torch.Tensor) -> dict:
+    """Launch options of a kernel on ``x``'s device that waits (``gdc_wait``) before it
+    reads anything an earlier kernel wrote: ``launch_pdl`` where PDL is ``enabled``."""
+    return {"launch_pdl": True} if enabled(x) else {}

@@ -370,6 +370,32 @@ def rotary_embedding_ref(
     return rotate(query), (rotate(key) if key is not None else None)
 
 
+def rotary_write_kv_ref(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, H*D] or [T, H, D]
+    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]
+    value: torch.Tensor,  # same shape as key
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32
+    head_size: int,
+    is_neox_style: bool,
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [>= num_writes] int; -1 writes nothing
+    num_writes: Optional[int] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of query / key (``rotary_embedding_ref``), with the rotated keys
+    and the values of tokens ``0..num_writes-1`` written to the caches (``write_kv_ref``).
+    Oracle of ``kernels/rotary.rotary_write_kv``."""
+    q, k = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size, is_neox_style)
+    n = positions.shape[0] if num_writes is None else num_writes
+    T = positions.shape[0]
+    write_kv_ref(k.reshape(T, -1, head_size)[:n], value.reshape(T, -1, head_size)[:n],
+                 k_cache, v_cache, slot_mapping[:n], k_scale, v_scale)
+    return q, k
+
+
 # ----------------------------------------------------------------- gated activations
 ACT_AND_MUL = ("silu", "gelu", "gelu_tanh")
 

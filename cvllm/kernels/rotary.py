@@ -15,6 +15,14 @@ Numerics follow Hugging Face: cos and sin are rounded to the activations' dtype 
 (HF casts them before rotating); the rotation itself is float32, rounded once.
 Positions are not bounds-checked on the device (that would need a sync): the caller
 sizes the cache to ``max_model_len``.
+
+``rotary_write_kv`` is the same rotation fused with the paged KV-cache write
+(``paged_attention.write_kv``) for the Triton attention backend: one launch instead of
+two per layer, which matters at batch 1 where each is a few microseconds of mostly fixed
+cost. It rotates q and k in place exactly as ``rotary_embedding`` does, then stores the
+rotated k and the v row at the token's cache slot as ``write_kv`` would, so the results
+are bit-equal to the two kernels (tested). On Hopper it is launched with PDL and waits
+for the QKV projection first thing (``kernels/pdl.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +33,28 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels import pdl
+from cvllm.kernels.paged_attention import (_check_caches, _check_dtypes, _check_same_device,
+                                           _scale_args, _to_e4m3_grid)
+from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rotate_tile(rows, offs1, offs2, mask, cos, sin):
+    """Rotate the pairs (offs1, offs2) of a tile of head rows in place; returns the
+    rotated halves in the activations' dtype. Each thread loads and stores the same
+    elements, so the in-place update races with nothing."""
+    x1 = tl.load(rows + offs1[None, :], mask=mask, other=0.0)
+    x2 = tl.load(rows + offs2[None, :], mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(dtype)
+    o2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(rows + offs1[None, :], o1, mask=mask)
+    tl.store(rows + offs2[None, :], o2, mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -35,13 +64,29 @@ def _rotate_heads(base_ptr, stride_h, num_heads, cos, sin, offs1, offs2, dmask,
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < num_heads)[:, None] & dmask[None, :]
-        rows = base_ptr + heads[:, None].to(tl.int64) * stride_h
-        x1 = tl.load(rows + offs1[None, :], mask=mask, other=0.0)
-        x2 = tl.load(rows + offs2[None, :], mask=mask, other=0.0)
-        dtype = x1.dtype
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(rows + offs1[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
-        tl.store(rows + offs2[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        _rotate_tile(base_ptr + heads[:, None].to(tl.int64) * stride_h, offs1, offs2, mask,
+                     cos, sin)
+
+
+@triton.jit
+def _angles(cos_sin_ptr, pos_ptr, t, stride_cache, half, act_dtype: tl.constexpr,
+            IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``t``'s ``(cos, sin, offs1, offs2, dmask)``: the cache row is ``cos[0:half]
+    | sin[0:half]``, rounded to the activations' dtype; neox pairs dim ``i`` with ``i +
+    half``, GPT-J pairs ``2i`` with ``2i + 1``."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    row = cos_sin_ptr + pos * stride_cache
+    cos = tl.load(row + d, mask=dmask, other=0.0).to(act_dtype).to(tl.float32)[None, :]
+    sin = tl.load(row + half + d, mask=dmask, other=0.0).to(act_dtype).to(tl.float32)[None, :]
+    if IS_NEOX:
+        offs1 = d
+        offs2 = d + half
+    else:
+        offs1 = 2 * d
+        offs2 = 2 * d + 1
+    return cos, sin, offs1, offs2, dmask
 
 
 @triton.jit
@@ -52,23 +97,10 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Token ``pid``: rotate q (and k) by the angles of ``positions[pid]``. The cache row
-    is ``cos[0:half] | sin[0:half]``; neox pairs dim ``i`` with ``i + half``, GPT-J
-    pairs ``2i`` with ``2i + 1``."""
+    """Token ``pid``: rotate q (and k) by the angles of ``positions[pid]``."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < half
-    act_dtype = q_ptr.dtype.element_ty
-    row = cos_sin_ptr + pos * stride_cache
-    cos = tl.load(row + d, mask=dmask, other=0.0).to(act_dtype).to(tl.float32)[None, :]
-    sin = tl.load(row + half + d, mask=dmask, other=0.0).to(act_dtype).to(tl.float32)[None, :]
-    if IS_NEOX:
-        offs1 = d
-        offs2 = d + half
-    else:
-        offs1 = 2 * d
-        offs2 = 2 * d + 1
+    cos, sin, offs1, offs2, dmask = _angles(cos_sin_ptr, pos_ptr, t, stride_cache, half,
+                                            q_ptr.dtype.element_ty, IS_NEOX, BLOCK_D)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, offs1, offs2, dmask,
                   BLOCK_H)
     if HAS_KEY:
@@ -134,5 +166,145 @@ def rotary_embedding(
         sqt, sqh, skt, skh, cos_sin_cache.stride(0), hq, hk, half,
         IS_NEOX=is_neox_style, HAS_KEY=key is not None, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4,
+    )
+    return query, key
+
+
+@triton.jit
+def _cache_store(ptrs, x, mask, scale_ptr, FP8: tl.constexpr):
+    """``x`` (activation dtype) into a cache row: cast, or FP8-quantized as ``write_kv``."""
+    if FP8:
+        x = _to_e4m3_grid(x.to(tl.float32) / tl.load(scale_ptr))
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_write_heads(k_row, v_row, kc_row, vc_row, stride_kh, stride_vh, stride_kch,
+                        stride_vch, num_heads, head_dim, rot_dim, cos, sin, offs1, offs2,
+                        dmask, write, k_scale_ptr, v_scale_ptr,
+                        BLOCK_H: tl.constexpr, BLOCK_HD: tl.constexpr, FP8: tl.constexpr):
+    """Rotate one token's k heads in place (as ``_rotate_heads``) and, where ``write``,
+    store them and its v heads at the cache rows ``kc_row`` / ``vc_row``."""
+    dd = tl.arange(0, BLOCK_HD)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = (h0 + tl.arange(0, BLOCK_H))[:, None]
+        hmask = heads < num_heads
+        mask = hmask & dmask[None, :]
+        rows = k_row + heads.to(tl.int64) * stride_kh
+        o1, o2 = _rotate_tile(rows, offs1, offs2, mask, cos, sin)
+        kc = kc_row + heads * stride_kch
+        _cache_store(kc + offs1[None, :], o1, mask & write, k_scale_ptr, FP8)
+        _cache_store(kc + offs2[None, :], o2, mask & write, k_scale_ptr, FP8)
+        # Dims past rot_dim do not rotate: copied as they are (the rotation never
+        # touches them, so reading them here races with nothing).
+        rest = hmask & ((dd >= rot_dim) & (dd < head_dim))[None, :] & write
+        _cache_store(kc + dd[None, :], tl.load(rows + dd[None, :], mask=rest), rest,
+                     k_scale_ptr, FP8)
+        vmask = hmask & (dd < head_dim)[None, :] & write
+        v = tl.load(v_row + heads.to(tl.int64) * stride_vh + dd[None, :], mask=vmask)
+        _cache_store(vc_row + heads * stride_vch + dd[None, :], v, vmask, v_scale_ptr, FP8)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    stride_kcn, stride_kcb, stride_kch, stride_vcn, stride_vcb, stride_vch,
+    num_q_heads, num_kv_heads, half, head_dim, block_size, num_writes,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_HD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+):
+    """Token ``pid``: ``_rotary_kernel``'s rotation of q and k, then (``pid <
+    num_writes`` and its slot >= 0) ``_write_kv_kernel``'s store of k and v. With PDL,
+    the position and its cos/sin row are read before the wait: the cache is a constant
+    and positions are a step input, copied in before the step's first kernel."""
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin, offs1, offs2, dmask = _angles(cos_sin_ptr, pos_ptr, t, stride_cache, half,
+                                            q_ptr.dtype.element_ty, IS_NEOX, BLOCK_D)
+    if PDL:
+        gdc_wait()  # q, k, v come from the kernel before (the QKV projection)
+        gdc_launch_dependents()
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, offs1, offs2, dmask,
+                  BLOCK_H)
+    slot = tl.full([], -1, tl.int64)
+    if t < num_writes:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Padding rows (slot -1, or past num_writes) write nothing. A [1, 1] tile rather than
+    # a scalar: the interpreter cannot combine a scalar condition with a tile mask.
+    write = (tl.zeros([1, 1], tl.int64) + slot) >= 0
+    slot = tl.maximum(slot, 0)
+    blk, off = slot // block_size, slot % block_size
+    _rotate_write_heads(
+        k_ptr + t * stride_kt, v_ptr + t * stride_vt,
+        k_cache_ptr + blk * stride_kcn + off * stride_kcb,
+        v_cache_ptr + blk * stride_vcn + off * stride_vcb,
+        stride_kh, stride_vh, stride_kch, stride_vch, num_kv_heads, head_dim, 2 * half,
+        cos, sin, offs1, offs2, dmask, write, k_scale_ptr, v_scale_ptr,
+        BLOCK_H=BLOCK_KH, BLOCK_HD=BLOCK_HD, FP8=FP8)
+
+
+def _check_write(key, value, k_cache, v_cache, slot_mapping, num_writes, head_size) -> None:
+    """What ``rotary_write_kv`` needs beyond ``_check_inputs``: caches that fit k / v,
+    ``num_writes`` slots, one device."""
+    _check_caches(k_cache, v_cache)
+    if tuple(k_cache.shape[2:]) != (key.shape[1], head_size):
+        raise ValueError(f"the cache {tuple(k_cache.shape)} does not fit k "
+                         f"[T, {key.shape[1]}, {head_size}]")
+    if value.shape != key.shape or value.dtype != key.dtype or value.stride(2) != 1:
+        raise ValueError(f"value {tuple(value.shape)} {value.dtype} must match key "
+                         f"{tuple(key.shape)} {key.dtype} with unit stride along the head dim")
+    if not 0 <= num_writes <= key.shape[0]:
+        raise ValueError(f"num_writes {num_writes} must be in [0, T={key.shape[0]}]")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_writes:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be 1-D with at least "
+                         f"num_writes={num_writes} entries")
+    _check_dtypes(slot_mapping=(slot_mapping, (torch.int32, torch.int64)))
+    _check_same_device(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [T] int32/int64
+    query: torch.Tensor,  # [T, H*D] or [T, H, D], unit stride along D
+    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32
+    head_size: int,
+    is_neox_style: bool,
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [>= num_writes] int32/int64; -1 = padding
+    num_writes: Optional[int] = None,  # tokens 0..num_writes-1 are written (default T)
+    k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
+    v_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding(positions, query, key, ...)`` then ``paged_attention.write_kv(
+    key[:num_writes], value[:num_writes], k_cache, v_cache, slot_mapping[:num_writes])``
+    in one kernel; returns the rotated ``(query, key)`` (the inputs, in place)."""
+    _check_inputs(positions, query, key, cos_sin_cache, head_size)
+    T = positions.shape[0]
+    num_writes = T if num_writes is None else int(num_writes)
+    hq, sqt, sqh = _head_strides("query", query, T, head_size)
+    hk, skt, skh = _head_strides("key", key, T, head_size)
+    k3 = key.view(T, hk, head_size) if key.dim() == 2 else key  # [T, Hkv, D]
+    v3 = value  # [T, Hkv, D]
+    if value.dim() == 2 and tuple(value.shape) == (T, hk * head_size) and value.stride(1) == 1:
+        v3 = value.view(T, hk, head_size)
+    _check_write(k3, v3, k_cache, v_cache, slot_mapping, num_writes, head_size)
+    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
+    if T == 0:
+        return query, key
+    half = cos_sin_cache.shape[-1] // 2
+    block_d = triton.next_power_of_2(half)
+    block_hd = triton.next_power_of_2(head_size)
+    _rotary_write_kv_kernel[(T,)](
+        query, key, v3, cos_sin_cache, positions, slot_mapping, k_cache, v_cache, ks, vs,
+        sqt, sqh, skt, skh, v3.stride(0), v3.stride(1), cos_sin_cache.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        hq, hk, half, head_size, k_cache.shape[1], num_writes,
+        IS_NEOX=is_neox_style, BLOCK_H=max(1, min(triton.next_power_of_2(hq), 4096 // block_d)),
+        BLOCK_KH=max(1, min(triton.next_power_of_2(hk), 4096 // block_hd)),
+        BLOCK_D=block_d, BLOCK_HD=block_hd, FP8=fp8, PDL=pdl.enabled(query), num_warps=4,
+        **pdl.launch_args(query),
     )
     return query, key

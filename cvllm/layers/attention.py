@@ -9,7 +9,7 @@ a sliding window live in their window's group, whose out-of-window blocks get fr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from torch import nn
 from cvllm.attention.backend import get_attn_backend
 from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from cvllm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -51,8 +54,19 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        positions: Optional[torch.Tensor] = None,
+        rotary_emb: Optional["RotaryEmbedding"] = None,
     ) -> torch.Tensor:
-        """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]``."""
+        """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]``. With
+        ``rotary_emb``, q and k (fresh projections, rotated in place) are first rotated at
+        ``positions [T]``: by the backend together with its K/V write where it can
+        (``fuses_rope``), else here."""
+        rope = None
+        if rotary_emb is not None:
+            if getattr(self.backend, "fuses_rope", False):
+                rope = rotary_emb.rope_inputs(positions)
+            else:
+                query, key = rotary_emb(positions, query, key)
         T = query.shape[0]
         q = query.reshape(T, self.num_heads, self.head_size)  # [T, H, D]
         k = key.reshape(T, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
@@ -68,6 +82,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
+            **({"rope": rope} if rope is not None else {}),
         )  # [T, H, D]
         return out.reshape(T, self.num_heads * self.head_size)
 

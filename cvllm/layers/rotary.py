@@ -37,6 +37,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from cvllm.attention.metadata import RopeInputs
+
 
 class RotaryEmbedding(nn.Module):
     """Plain rope; subclasses override ``_compute_inv_freq`` (and ``mscale``)."""
@@ -93,6 +95,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
         query = self._rotate(query, cos, sin)
         return query, (self._rotate(key, cos, sin) if key is not None else None)
+
+    def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:
+        """This rotation at ``positions``, for an attention backend that applies it with
+        its K/V cache write (``layers/attention.py``)."""
+        if self.cos_sin_cache.device != positions.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
+        return RopeInputs(positions.reshape(-1), self.cos_sin_cache, self.head_size,
+                          self.is_neox_style)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

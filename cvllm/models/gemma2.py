@@ -152,8 +152,8 @@ class GemmaAttention(nn.Module):
             q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, H, D]
             k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
             q, k = q.reshape(T, self.q_size), k.reshape(T, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H * D]
+        # The backend rotates q and k (in place) together with its K/V cache write.
+        out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.o_proj(out)  # [T, hidden]
 
 

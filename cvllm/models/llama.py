@@ -134,8 +134,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H * D]
+        # The backend rotates q and k (in place) together with its K/V cache write.
+        out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.o_proj(out)  # [T, hidden]
 
 

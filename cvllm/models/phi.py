@@ -89,8 +89,8 @@ class PhiAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_layernorm is not None:
             q, k = self._norm_heads(q, self.q_layernorm), self._norm_heads(k, self.k_layernorm)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H * D]
+        # The backend rotates q and k (in place) together with its K/V cache write.
+        out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.dense(out)  # [T, hidden]
 
 

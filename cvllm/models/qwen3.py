@@ -43,8 +43,8 @@ class Qwen3Attention(LlamaAttention):
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H * D]
+        # The backend rotates q and k (in place) together with its K/V cache write.
+        out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.o_proj(out)  # [T, hidden]
 
 

@@ -149,8 +149,8 @@ class Qwen3NextAttention(nn.Module):
         q, gate = qg.view(T, self.num_heads, 2 * D).chunk(2, dim=-1)  # [T, H, D] each
         q = self.q_norm(q.contiguous())  # [T, H, D]
         k = self.k_norm(k.reshape(T, self.num_kv_heads, D))  # [T, Hkv, D]
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, attn_metadata)  # [T, H*D]
+        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, attn_metadata,
+                        positions, self.rotary_emb)  # [T, H*D]; q, k rotated with the K/V write
         out = out * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)  # [T, hidden]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cvllm.attention.backends import torch_ref
-from cvllm.attention.metadata import AttentionMetadata
+from cvllm.attention.metadata import AttentionMetadata, RopeInputs
 from tests.interpreted import run_interpreted
 
 MIXED = [(9, 1), (0, 1), (30, 1), (0, 13), (7, 5), (21, 1), (0, 2), (40, 3)]
@@ -122,6 +122,41 @@ def run_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="cpu",
     assert triton_backend.TritonAttentionBackend.name == "triton"
 
 
+def run_rope_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="cpu", seed=0,
+                  pad=0, neox=True, rot_dim=None) -> None:
+    """``forward(..., rope=)`` (one kernel rotates q, k and writes the cache) against the
+    rotary kernel followed by ``forward``: the same outputs, caches and rotated q / k,
+    bit for bit; padding rows are rotated too but write nothing."""
+    from cvllm.attention.backends import triton_backend
+    from cvllm.kernels.rotary import rotary_embedding
+
+    s = build_step(seqs, bs, heads, d, dtype, seed, pad)
+    slots = np.concatenate([s.step_slots, np.full(pad, -1)])
+    meta = AttentionMetadata.build(slot_mapping=slots, query_start_loc=s.query_start_loc,
+                                   seq_lens=s.seq_lens, block_tables=s.block_tables,
+                                   device=device)
+    rot_dim = rot_dim or d
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.arange(256).float()[:, None] * inv_freq[None, :]  # [P, rot/2]
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)  # [P, rot_dim]
+    positions = torch.randint(0, 256, (s.q.shape[0],), generator=torch.Generator().manual_seed(9))
+    rope = RopeInputs(positions.to(device), cache, d, neox)
+    runs = []
+    for fused in (True, False):
+        q, k, v = (x.to(device).clone() for x in (s.q, s.k, s.v))
+        kc, vc = (torch.full_like(c.to(device), float("nan")) for c in (s.k_cache, s.v_cache))
+        for tri, ref in ((kc, s.k_cache), (vc, s.v_cache)):
+            tri.view(-1, *tri.shape[2:])[s.context_slots] = ref.view(-1, *ref.shape[2:]).to(
+                device)[s.context_slots]
+        if not fused:
+            rotary_embedding(rope.positions, q, k, cache, d, neox)
+        out = triton_backend.forward(q, k, v, kc, vc, meta, d**-0.5,
+                                     **({"rope": rope} if fused else {}))
+        runs.append((out, q, k, kc.nan_to_num(), vc.nan_to_num()))
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
 CPU_CASES = [
     dict(seqs=MIXED),
     dict(seqs=MIXED, heads=(8, 1), sliding_window=5, softcap=2.0, seed=1),
@@ -138,6 +173,8 @@ def run_cpu_cases() -> None:
             run_case(**case)
         except Exception as e:  # say which case failed, keep the traceback
             raise AssertionError(f"CPU case {i}: {case}") from e
+    run_rope_case(MIXED, pad=2)
+    run_rope_case([(3, 1), (0, 6)], heads=(6, 3), d=24, rot_dim=8, neox=False, seed=1)
 
 
 def test_backend_matches_torch_ref_interpreted_on_cpu():
@@ -172,3 +209,11 @@ GPU_MIXED = [(100, 1), (0, 1), (3000, 1), (5000, 1), (0, 700), (512, 300), (60, 
 def test_backend_matches_torch_ref_cuda(dtype, atol, heads, d, opts):
     run_case(GPU_MIXED, 16, heads, d, dtype, "cuda", pad=5, atol=atol, **opts)
     run_case([(4000, 1)] * 3, 16, heads, d, dtype, "cuda", atol=atol, **opts)  # split-K decodes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads,d", [((32, 8), 128), ((8, 1), 256)])
+def test_fused_rope_matches_rotary_then_forward_cuda(heads, d):
+    run_rope_case(GPU_MIXED, 16, heads, d, torch.bfloat16, "cuda", pad=5)
+    run_rope_case([(300, 1)], 16, heads, d, torch.bfloat16, "cuda")  # batch-1 decode

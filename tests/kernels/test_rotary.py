@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import rotary_embedding_ref
+from cvllm.kernels.reference import rotary_embedding_ref, rotary_write_kv_ref, write_kv_ref
 from cvllm.layers.rotary import get_rope
 from tests.interpreted import run_interpreted
 
@@ -81,6 +81,82 @@ def check_mla_views(device="cpu", dtype=torch.float32, T=4, H=3, nope=8, rope=8,
     assert torch.equal(q[..., :nope], q_nope) and torch.equal(latent[:, :lora], kv_c)
 
 
+def check_rotary_write_kv(T=6, heads=(4, 2), D=16, rot_dim=None, neox=True,
+                          dtype=torch.float32, device="cpu", three_d=False, num_writes=None,
+                          cache_dtype=None, bs=4, seed=3, max_pos=64):
+    """The fused kernel against the two kernels it replaces (bit-equal, on a copy of the
+    same buffers) and against the torch references. The caches start as NaN, a slot of
+    -1 and the rows past ``num_writes`` must write nothing, and q / k / v are views of
+    one QKV buffer whose other columns must stay as they were."""
+    from cvllm.kernels.paged_attention import write_kv
+    from cvllm.kernels.rotary import rotary_embedding, rotary_write_kv
+
+    h, hkv = heads
+    rot_dim = rot_dim or D
+    n = T if num_writes is None else num_writes
+    g = torch.Generator().manual_seed(seed)
+    width = (h + 2 * hkv) * D + 8  # q | k | v | padding
+    qkv = torch.randn(T, width, generator=g).to(dtype=dtype, device=device)
+    cache_dtype = cache_dtype or dtype
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    num_blocks = -(-T // bs) + 2
+    kc = torch.full((num_blocks, bs, hkv, D), float("nan"), device=device).to(cache_dtype)
+    vc = kc.clone()
+    slots = torch.randperm(num_blocks * bs, generator=g)[:T]
+    if T > 2:
+        slots[T // 2] = -1  # padding inside the batch
+    slots = slots.to(device)
+    scales = dict(k_scale=torch.tensor([0.02], device=device),
+                  v_scale=torch.tensor([0.03], device=device)) if fp8 else {}
+    cache = _cache(max_pos, rot_dim).to(device)
+    positions = torch.randint(0, max_pos, (T,), generator=g).to(device)
+
+    def views(buf):
+        q, k = buf[:, : h * D], buf[:, h * D : (h + hkv) * D]
+        v = buf[:, (h + hkv) * D : (h + 2 * hkv) * D]
+        if three_d:
+            q, k, v = q.view(T, h, D), k.view(T, hkv, D), v.view(T, hkv, D)
+        return q, k, v
+
+    two, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    before = qkv.clone()
+    q, k, v = views(qkv)
+    want_q, want_k = rotary_write_kv_ref(positions, q.clone(), k.clone(), v, cache, D, neox,
+                                         kc2.clone(), vc2.clone(), slots, n, **scales)
+    got = rotary_write_kv(positions, q, k, v, cache, D, neox, kc, vc, slots, num_writes, **scales)
+    assert got[0] is q and got[1] is k
+    q2, k2, v2 = views(two)
+    rotary_embedding(positions, q2, k2, cache, D, neox)
+    write_kv(k2.reshape(T, hkv, D)[:n], v2.reshape(T, hkv, D)[:n], kc2, vc2, slots[:n], **scales)
+    assert torch.equal(qkv, two), "q / k differ from the rotary kernel's"
+    for got_c, want_c in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(got_c.float().isnan(), want_c.float().isnan()), "written slots differ"
+        assert torch.equal(got_c.float().nan_to_num(), want_c.float().nan_to_num())
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(q.float().cpu(), want_q.float().cpu(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(k.float().cpu(), want_k.float().cpu(), atol=atol, rtol=rtol)
+    # The cache holds exactly the kernel's rotated keys and the values, quantized as
+    # write_kv_ref does.
+    kc3, vc3 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    write_kv_ref(k.reshape(T, hkv, D)[:n], v.reshape(T, hkv, D)[:n], kc3, vc3, slots[:n],
+                 **scales)
+    assert torch.equal(kc.float().nan_to_num(), kc3.float().nan_to_num())
+    assert torch.equal(vc.float().nan_to_num(), vc3.float().nan_to_num())
+    untouched = torch.ones(width, dtype=torch.bool)
+    per_head = torch.arange(width) % D >= rot_dim
+    untouched[: (h + hkv) * D] = per_head[: (h + hkv) * D]
+    assert torch.equal(qkv[:, untouched.to(device)], before[:, untouched.to(device)])
+
+
+WRITE_CASES = [
+    dict(), dict(neox=False, three_d=True), dict(rot_dim=6, D=16, num_writes=4),
+    dict(rot_dim=8, neox=False, heads=(6, 3), D=24), dict(T=1, heads=(8, 1), D=32),
+    dict(dtype=torch.float16, heads=(2, 2), num_writes=0),
+    dict(cache_dtype=torch.float8_e4m3fn), dict(rot_dim=8, cache_dtype=torch.float8_e4m3fn,
+                                                 dtype=torch.float16),
+]
+
+
 CPU_CASES = [
     dict(), dict(neox=False), dict(rot_dim=6, D=16), dict(rot_dim=8, neox=False, three_d=True),
     dict(T=1, heads=(8, 1), D=24, with_key=False), dict(dtype=torch.float16, heads=(2, 2)),
@@ -92,6 +168,8 @@ def run_cpu_cases() -> None:
     for case in CPU_CASES:
         check_rotary(**case)
     check_mla_views()
+    for case in WRITE_CASES:
+        check_rotary_write_kv(**case)
 
 
 def test_kernel_interpreted_on_cpu():
@@ -131,6 +209,29 @@ def test_wrapper_rejects_bad_inputs():
         rotary_embedding(pos, q, k, _cache(16, 16), 8)
     with pytest.raises(ValueError, match="share"):
         rotary_embedding(pos, q, k.half(), cache, 8)
+
+
+def test_rotary_write_kv_rejects_bad_inputs():
+    from cvllm.kernels.rotary import rotary_write_kv
+
+    cache, pos = _cache(16, 8), torch.tensor([1, 2])
+    q, k, v = torch.randn(2, 16), torch.randn(2, 8), torch.randn(2, 8)
+    kc, vc = torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8)
+    slots = torch.tensor([0, 5])
+    with pytest.raises(ValueError, match="num_writes"):
+        rotary_write_kv(pos, q, k, v, cache, 8, True, kc, vc, slots, num_writes=3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_write_kv(pos, q, k, v, cache, 8, True, kc, vc, slots[:1])
+    with pytest.raises(ValueError, match="does not fit"):
+        rotary_write_kv(pos, q, k, v, cache, 8, True, torch.zeros(3, 4, 2, 8),
+                        torch.zeros(3, 4, 2, 8), slots)
+    with pytest.raises(ValueError, match="must match key"):
+        rotary_write_kv(pos, q, k, torch.randn(2, 16), cache, 8, True, kc, vc, slots)
+    with pytest.raises(ValueError, match="FP8 cache needs"):
+        fp8 = kc.to(torch.float8_e4m3fn)
+        rotary_write_kv(pos, q, k, v, cache, 8, True, fp8, fp8.clone(), slots)
+    with pytest.raises(ValueError, match="positions"):
+        rotary_write_kv(pos.float(), q, k, v, cache, 8, True, kc, vc, slots)
 
 
 # ----- GPU: compiled, model-sized ---------------------------------------------------------------
@@ -183,3 +284,21 @@ def test_layer_dispatch_on_cuda(params):
     atol, rtol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(got_q.float().cpu(), want_q.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(got_k.float().cpu(), want_k.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,heads,D,rot_dim", GPU_CASES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("T", [1, 300])
+def test_rotary_write_kv_cuda(dtype, heads, D, rot_dim, neox, T):
+    check_rotary_write_kv(T, heads, D, rot_dim, neox, dtype, "cuda", three_d=T == 1,
+                          num_writes=T - 7 if T > 7 else None, bs=16, max_pos=8192)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 300])
+def test_rotary_write_kv_fp8_cuda(T):
+    check_rotary_write_kv(T, (32, 8), 128, None, True, torch.bfloat16, "cuda",
+                          cache_dtype=torch.float8_e4m3fn, bs=16, max_pos=8192)

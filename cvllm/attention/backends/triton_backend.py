@@ -11,7 +11,10 @@ first multi-token one -- to ``prefill_attention``. No step here syncs with the d
 Semantics match the reference exactly: K/V of the ``meta.num_tokens`` real tokens are
 written first (slot -1 writes nothing), then every query attends over its sequence's
 cache causally, with the window and softcap of the layer; padding rows (past
-``num_tokens``) of the output are zero. Selection is ``attention/backend.py``'s job.
+``num_tokens``) of the output are zero. Given the layer's ``RopeInputs``
+(``fuses_rope``), q and k are first rotated in place by the kernel that writes K/V
+(``kernels/rotary.rotary_write_kv``): one launch per layer fewer, bit-equal to the
+rotary kernel followed by the write. Selection is ``attention/backend.py``'s job.
 FP8 caches: each cache tensor's ``kv_scale`` (``attention/kv_cache.py``) goes to the
 kernels as ``k_scale`` / ``v_scale`` (calibrated on the device at its first write).
 """
@@ -23,8 +26,9 @@ from typing import Optional
 import torch
 
 from cvllm.attention.kv_cache import calibrate_kv_scale, kv_scales
-from cvllm.attention.metadata import AttentionMetadata
+from cvllm.attention.metadata import AttentionMetadata, RopeInputs
 from cvllm.kernels import paged_attention as pa
+from cvllm.kernels import rotary
 
 
 def write_kv(
@@ -41,6 +45,29 @@ def write_kv(
                 k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))
 
 
+def rotary_write_kv(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [>= n] int64; -1 entries (padding) are skipped
+    n: int,  # real tokens: rows 0..n-1 are written
+    rope: RopeInputs,
+) -> None:
+    """Rotate q and k (every row) in place, then store the first ``n`` rows' keys and
+    values at their cache slots: one kernel, except before an FP8 cache's first write,
+    whose scale is calibrated on the rotated keys first."""
+    if getattr(k_cache, "kv_scale_pending", False) or getattr(v_cache, "kv_scale_pending", False):
+        rotary.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, rope.head_size,
+                                rope.is_neox_style)
+        write_kv(k[:n], v[:n], k_cache, v_cache, slot_mapping[:n])
+        return
+    rotary.rotary_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, rope.head_size,
+                           rope.is_neox_style, k_cache, v_cache, slot_mapping, n,
+                           k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))
+
+
 def forward(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -51,12 +78,17 @@ def forward(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    rope: Optional[RopeInputs] = None,
 ) -> torch.Tensor:
-    """Write K/V, then attend every sequence's queries over its cached context, causally.
-    Returns ``[T, H, D]``; rows of padding tokens (past ``meta.num_tokens``) are zero."""
+    """Write K/V (rotating q and k first when given ``rope``), then attend every
+    sequence's queries over its cached context, causally. Returns ``[T, H, D]``; rows of
+    padding tokens (past ``meta.num_tokens``) are zero."""
     n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
     _check_meta(q, k_cache, meta)
-    write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+    if rope is None:
+        write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+    else:
+        rotary_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, n, rope)
     scales = dict(k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))  # None unless FP8
     out = torch.empty_like(q)  # [T, H, D]
     out[n:].zero_()
@@ -92,5 +124,6 @@ class TritonAttentionBackend:
     """The backend object ``attention/backend.py`` hands to attention layers on CUDA."""
 
     name = "triton"
+    fuses_rope = True  # forward(..., rope=) rotates q and k with the K/V write
     write_kv = staticmethod(write_kv)
     forward = staticmethod(forward)
