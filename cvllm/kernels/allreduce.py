@@ -12,12 +12,14 @@ rank *pushes* its partial sums into slot ``[rank]`` of that phase on every rank 
 stores), then polls its own copy until no element of any slot holds the sentinel, sums
 the slots in rank order (float32, rounded once: the same bits on every rank) and writes
 the result. The sentinel is -0.0; a pushed -0.0 is sent as +0.0 (equal in any sum).
-Last, it refills the previous call's phase ``(e + 2) % 3`` with sentinels.
+Before it polls (after its own push), it refills the previous call's phase ``(e + 2) %
+3`` with sentinels, so those stores overlap the wait for the peers.
 
 Why that is safe without a barrier: a rank at call ``e`` has seen every peer's data of
-call ``e - 1``, so every peer has at least started ``e - 1``. A peer writes into phase
+call ``e - 1`` (its call ``e - 1`` completed only then), so every peer has at least
+started ``e - 1`` and has written all it writes there. A peer writes into phase
 ``e % 3`` only at calls ``e`` and ``e + 3``; this rank reads it only at call ``e`` and
-refills it at the end of call ``e + 1``. A peer reaches call ``e + 3`` only with this
+refills it during call ``e + 1``. A peer reaches call ``e + 3`` only with this
 rank's push of call ``e + 2``, which this rank issues after its kernel of call ``e + 1``
 (refill included) has completed: kernels on one stream run in order, and this kernel is
 never launched to overlap its predecessor (it only lets a following GEMV start early,
@@ -120,6 +122,21 @@ def _poll_sum(mine, phase, slot_elems, idx, mask, dtype, WORLD: tl.constexpr,
 
 
 @triton.jit
+def _refill(phase_base, used, slot_elems, WORLD: tl.constexpr, SENT: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Sentinels into the first ``used`` elements of every slot of the phase at
+    ``phase_base``, spread over the programs of the grid."""
+    cols = tl.arange(0, BLOCK)
+    fill = tl.full((BLOCK,), SENT, phase_base.dtype.element_ty)
+    step = tl.num_programs(0) * BLOCK
+    for r in tl.static_range(WORLD):
+        base = phase_base + r * slot_elems
+        for start in range(tl.program_id(0) * BLOCK, used, step):
+            offs = start + cols
+            tl.store(base + offs, fill, mask=offs < used)
+
+
+@triton.jit
 def _lamport_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, state_ptr,
     b0, b1, b2, b3, b4, b5, b6, b7,
@@ -157,7 +174,6 @@ def _lamport_kernel(
         mask = idx < numel
         if not PUSHED:
             x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-    pay_ty = b0.dtype.element_ty
     # One load of the whole state: the phase and what the previous call used.
     slots = tl.arange(0, _STATE)
     state = tl.load(state_ptr + slots, volatile=PUSHED)
@@ -168,6 +184,10 @@ def _lamport_kernel(
         push_slot(x, idx, mask, phase, slot_elems, b0, b1, b2, b3, b4, b5, b6, b7,
                   RANK, WORLD, SENT)
     mine = _buf(RANK, b0, b1, b2, b3, b4, b5, b6, b7)
+    # Refill the previous call's phase (every peer is past it) while the values travel:
+    # its stores then no longer hold up this kernel's completion, which the next
+    # kernel waits for.
+    _refill(mine + prev * WORLD * slot_elems, used, slot_elems, WORLD, SENT, BLOCK)
     acc = _poll_sum(mine, phase, slot_elems, idx, mask, dtype, WORLD, SENT, BLOCK)
     if HAS_NORM:
         summed = (acc.to(dtype).to(tl.float32) + resid).to(dtype)
@@ -178,14 +198,7 @@ def _lamport_kernel(
         tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
     else:
         tl.store(out_ptr + idx, acc.to(dtype), mask=mask)
-    # Refill the previous call's phase (every peer is past it) with sentinels.
     nprog = tl.num_programs(0)
-    fill = tl.full((BLOCK,), SENT, pay_ty)
-    for r in tl.static_range(WORLD):
-        base = mine + (prev * WORLD + r) * slot_elems
-        for start in range(pid * BLOCK, used, nprog * BLOCK):
-            offs = start + cols
-            tl.store(base + offs, fill, mask=offs < used)
     if pid == 0:
         tl.store(state_ptr + 2 + phase, numel)
     # The last program to finish advances the phase (all have read it by then).
