@@ -24,6 +24,9 @@ Linear-attention layers read ``state_slots [B]`` (each sequence's slot in its
 ``StateSpec`` tensors) and ``has_initial_state [B]`` (the sequence had computed tokens
 before this step). The worker zeroes the slot of every sequence with
 ``has_initial_state == False`` before the forward, so a layer may read its slot either way.
+
+``RopeInputs`` is a layer's rotary embedding at the step's positions, built by the layer
+for a backend that rotates q and k in the kernel that writes the K/V cache.
 """
 
 from __future__ import annotations

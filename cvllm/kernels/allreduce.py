@@ -21,9 +21,9 @@ started ``e - 1`` and has written all it writes there. A peer writes into phase
 ``e % 3`` only at calls ``e`` and ``e + 3``; this rank reads it only at call ``e`` and
 refills it during call ``e + 1``. A peer reaches call ``e + 3`` only with this
 rank's push of call ``e + 2``, which this rank issues after its kernel of call ``e + 1``
-(refill included) has completed: kernels on one stream run in order, and this kernel is
-never launched to overlap its predecessor (it only lets a following GEMV start early,
-``kernels/pdl.py``).
+(refill included) has completed: kernels on one stream run in order, and no call of this
+kernel ever overlaps the previous call (a pushed call may overlap the GEMV before it,
+below, but that GEMV started only after the previous call completed).
 
 Pushed from a GEMV (``PushTarget``): a row-parallel layer's batch-1 GEMV may push its
 rows itself, from its epilogue (``push_slot``), as each program finishes; the call that
@@ -33,9 +33,12 @@ triggers its dependents only after it too, so the call before it has completed b
 as for the kernel's own push. A summing call of one program (batch 1) is launched with
 PDL and waits for no kernel: every value it reads beyond its own buffer (the state and
 the residual, read volatile, and the norm weight) comes from kernels that completed
-before the GEMV's programs passed their wait, and it writes only once every program of
-the GEMV on this rank has pushed (has read its inputs); the GEMV writes nothing else. A
-call of several programs is launched normally (``lamport_all_reduce``).
+before the GEMV's programs passed their wait. Its output and residual it writes only
+once every program of the GEMV on this rank has pushed (has read its inputs); the GEMV
+writes nothing else. Before that it writes only the refill: sentinels into this rank's
+own buffer (never memory the allocator hands out), in the previous call's phase, which
+the running GEMV does not touch. A call of several programs is launched normally
+(``lamport_all_reduce``).
 
 State is on the device (``state``: the phase, a ticket, elements used per phase), so the
 kernel can be captured in CUDA graphs and replayed in any order with eager calls: the
@@ -306,8 +309,9 @@ def lamport_all_reduce(
                   PUSHED=pushed, PDL=use_pdl)
 
     def early(programs: int) -> dict:
-        """PDL launch of a pushed call of one program: it writes only after every
-        value arrived, i.e. after the GEMV has read all its inputs. With several
+        """PDL launch of a pushed call of one program: it writes its output only after
+        every value arrived, i.e. after the GEMV has read all its inputs (before that,
+        only the refill of its own buffer's previous phase). With several
         programs, one could write its rows (into memory the allocator may have just
         freed from the GEMV's input) while other GEMV programs still read: those wait
         for the GEMV like any kernel."""

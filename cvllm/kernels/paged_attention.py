@@ -29,6 +29,10 @@ Kernels:
   variable-length batches, online softmax over BLOCK_N-key tiles gathered through the
   block table, ``tl.dot`` for QK^T and PV with float32 accumulation.
 
+On Hopper the decode and merge kernels are launched with PDL and wait (``gdc_wait``)
+before they read anything: each is resident when the kernel before it ends
+(``kernels/pdl.py``).
+
 Scores are float32 throughout: ``s = scale * q.k``, then ``softcap * tanh(s / softcap)``,
 then the softmax in base 2.
 

@@ -23,9 +23,12 @@ what they gain is their launch: each one's programs are already resident when th
 kernel before it finishes.
 
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
-kernel writes (weights) and writes nothing; it triggers its dependents only after its
-own ``gdc_wait``, so a kernel that has passed its wait knows that every kernel before
-it on the stream has completed.
+kernel writes (weights, constants, step inputs copied in before the step's first kernel)
+and writes nothing; it triggers its dependents only after its own ``gdc_wait``. A kernel
+that has passed its wait then knows that every kernel before it on the stream has
+completed, with one exception: the pushed all-reduce (``kernels/allreduce.py``) triggers
+at entry and waits on no kernel, so past it one knows only that the pushing GEMV before
+it has passed its own wait and pushed all its values, not that its grid has exited.
 """
 
 from __future__ import annotations

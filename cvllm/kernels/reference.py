@@ -391,8 +391,8 @@ def rotary_write_kv_ref(
     q, k = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size, is_neox_style)
     n = positions.shape[0] if num_writes is None else num_writes
     T = positions.shape[0]
-    write_kv_ref(k.reshape(T, -1, head_size)[:n], value.reshape(T, -1, head_size)[:n],
-                 k_cache, v_cache, slot_mapping[:n], k_scale, v_scale)
+    k3, v3 = k.reshape(T, -1, head_size), value.reshape(T, -1, head_size)  # [T, Hkv, D]
+    write_kv_ref(k3[:n], v3[:n], k_cache, v_cache, slot_mapping[:n], k_scale, v_scale)
     return q, k
 
 

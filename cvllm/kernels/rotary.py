@@ -124,9 +124,10 @@ def _head_strides(name: str, x: torch.Tensor, num_tokens: int, head_size: int):
 
 def _check_inputs(positions, query, key, cos_sin_cache, head_size) -> None:
     """Dtypes and devices the kernel relies on; raises ValueError (shapes: _head_strides)."""
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be [T] int32/int64; got {tuple(positions.shape)} "
-                         f"{positions.dtype}")
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64) or (
+            positions.numel() and positions.stride(0) != 1):
+        raise ValueError(f"positions must be contiguous [T] int32/int64; got "
+                         f"{tuple(positions.shape)} {positions.dtype}")
     rot_dim = cos_sin_cache.shape[-1]
     if (cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32 or rot_dim % 2
             or rot_dim > head_size or cos_sin_cache.stride(1) != 1):
@@ -256,9 +257,10 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, num_writes, head_si
                          f"{tuple(key.shape)} {key.dtype} with unit stride along the head dim")
     if not 0 <= num_writes <= key.shape[0]:
         raise ValueError(f"num_writes {num_writes} must be in [0, T={key.shape[0]}]")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_writes:
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be 1-D with at least "
-                         f"num_writes={num_writes} entries")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_writes or (
+            num_writes and slot_mapping.stride(0) != 1):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be contiguous 1-D "
+                         f"with at least num_writes={num_writes} entries")
     _check_dtypes(slot_mapping=(slot_mapping, (torch.int32, torch.int64)))
     _check_same_device(key, value, k_cache, v_cache, slot_mapping)
 
@@ -289,7 +291,7 @@ def rotary_write_kv(
     k3 = key.view(T, hk, head_size) if key.dim() == 2 else key  # [T, Hkv, D]
     v3 = value  # [T, Hkv, D]
     if value.dim() == 2 and tuple(value.shape) == (T, hk * head_size) and value.stride(1) == 1:
-        v3 = value.view(T, hk, head_size)
+        v3 = value.view(T, hk, head_size)  # [T, Hkv, D]
     _check_write(k3, v3, k_cache, v_cache, slot_mapping, num_writes, head_size)
     ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
     if T == 0:

@@ -5,6 +5,10 @@ that layer's ``(k_cache, v_cache)`` (owned by the worker, passed through
 ``model.forward(..., kv_caches)``) and the step's ``AttentionMetadata``, of which it uses
 the view of its KV cache group (``attn_metadata.view(self.sliding_window)``): layers with
 a sliding window live in their window's group, whose out-of-window blocks get freed.
+
+Given the layer's rotary embedding and the positions, it rotates q and k itself, or,
+when the backend says it ``fuses_rope`` (the Triton backend), hands it the rotation as
+``RopeInputs`` so that one kernel rotates q and k and writes the K/V cache.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Attention(nn.Module):
         (``fuses_rope``), else here."""
         rope = None
         if rotary_emb is not None:
+            if positions is None:
+                raise ValueError(f"{self.prefix or 'attention'}: rotary_emb needs positions")
             if getattr(self.backend, "fuses_rope", False):
                 rope = rotary_emb.rope_inputs(positions)
             else:

@@ -8,7 +8,9 @@ formulas as ``transformers.modeling_rope_utils``; it is a plain attribute rather
 buffer so that casting the model to bf16 never rounds it (it follows the positions'
 device on first use). Rotation happens in the activations' dtype with cos/sin cast to it,
 as Hugging Face does. On CUDA the rotation is the Triton kernel ``kernels/rotary.py``,
-in place on q and k (float32 math, rounded once); elsewhere the torch code below.
+in place on q and k (float32 math, rounded once); elsewhere the torch code below. The
+Triton attention backend applies it instead, in the kernel that writes the K/V cache
+(``rope_inputs``, ``layers/attention.py``).
 
 ``dynamic`` deviates from HF on purpose: HF recomputes the frequencies from the longest
 sequence of each forward, which a paged cache cannot follow (cached keys would keep stale

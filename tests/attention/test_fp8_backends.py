@@ -87,8 +87,40 @@ def run_fp8_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16, atol=2e-
             assert same == 1.0 if device == "cpu" else same >= 0.99, same
 
 
+def run_fp8_rope_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16):
+    """The Triton backend given ``rope`` (its first write rotates, then calibrates on the
+    rotated keys; later writes run the fused kernel) against the rotary kernel followed
+    by the plain backend, from fresh caches: the same scales, cache bytes, outputs and
+    rotated q / k, step after step."""
+    from cvllm.attention.backends import triton_backend
+    from cvllm.attention.metadata import RopeInputs
+    from cvllm.kernels.rotary import rotary_embedding
+
+    steps, tables = _steps(heads, d, dtype, seed=5)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=heads[1], head_dim=d, block_size=BS, dtype=FP8)
+    (fk, fv), (uk, uv) = allocate_kv_cache(spec, 1 + 3 * len(SEQS), device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(64).float()[:, None] * inv_freq[None, :]  # [64, d/2]
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)  # [64, d]
+    for q, k, v, slots, qsl, seq_lens in steps:
+        meta = _meta(slots, qsl, seq_lens, tables, device)
+        positions = torch.randint(0, 64, (q.shape[0],)).to(device)
+        q, k, v = q.to(device), k.to(device), v.to(device)
+        q2, k2 = q.clone(), k.clone()
+        got = triton_backend.forward(q, k, v, fk, fv, meta, d**-0.5,
+                                     rope=RopeInputs(positions, cache, d, True))
+        rotary_embedding(positions, q2, k2, cache, d, True)
+        want = triton_backend.forward(q2, k2, v, uk, uv, meta, d**-0.5)
+        assert not fk.kv_scale_pending and kv_scales(fk).item() != 1.0
+        for a, b in ((got, want), (q, q2), (k, k2), (kv_scales(fk), kv_scales(uk)),
+                     (kv_scales(fv), kv_scales(uv)), (fk.view(torch.uint8), uk.view(torch.uint8)),
+                     (fv.view(torch.uint8), uv.view(torch.uint8))):
+            assert torch.equal(a, b)
+
+
 def test_fp8_backends_interpreted_on_cpu():
-    code = "from tests.attention.test_fp8_backends import run_fp8_case; run_fp8_case()"
+    code = ("from tests.attention.test_fp8_backends import run_fp8_case, run_fp8_rope_case; "
+            "run_fp8_case(); run_fp8_rope_case()")
     run_interpreted(code)
 
 
