@@ -315,7 +315,7 @@ def lamport_all_reduce(
         programs, one could write its rows (into memory the allocator may have just
         freed from the GEMV's input) while other GEMV programs still read: those wait
         for the GEMV like any kernel."""
-        return {"launch_pdl": True} if pushed and use_pdl and programs == 1 else {}
+        return pdl.launch_args(x) if pushed and programs == 1 else {}
     if weight is None:
         flat = x.reshape(-1)  # [numel]
         if not pushed:

@@ -108,6 +108,11 @@ def _rotary_kernel(
                       dmask, BLOCK_H)
 
 
+def _block_heads(num_heads: int, block_d: int) -> int:
+    """Heads per tile: all of them, up to 4096 elements of ``block_d`` each."""
+    return max(1, min(triton.next_power_of_2(num_heads), 4096 // block_d))
+
+
 def _head_strides(name: str, x: torch.Tensor, num_tokens: int, head_size: int):
     """``(num_heads, stride_token, stride_head)`` of ``[T, heads*D]`` or ``[T, heads, D]``."""
     if x.dim() == 2 and x.shape[0] == num_tokens and x.shape[1] % head_size == 0:
@@ -161,7 +166,7 @@ def rotary_embedding(
         return query, key
     half = cos_sin_cache.shape[-1] // 2
     block_d = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(max(hq, hk)), 4096 // block_d))
+    block_h = _block_heads(max(hq, hk), block_d)
     _rotary_kernel[(num_tokens,)](
         query, query if key is None else key, cos_sin_cache, positions,
         sqt, sqh, skt, skh, cos_sin_cache.stride(0), hq, hk, half,
@@ -304,8 +309,8 @@ def rotary_write_kv(
         sqt, sqh, skt, skh, v3.stride(0), v3.stride(1), cos_sin_cache.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         hq, hk, half, head_size, k_cache.shape[1], num_writes,
-        IS_NEOX=is_neox_style, BLOCK_H=max(1, min(triton.next_power_of_2(hq), 4096 // block_d)),
-        BLOCK_KH=max(1, min(triton.next_power_of_2(hk), 4096 // block_hd)),
+        IS_NEOX=is_neox_style, BLOCK_H=_block_heads(hq, block_d),
+        BLOCK_KH=_block_heads(hk, block_hd),
         BLOCK_D=block_d, BLOCK_HD=block_hd, FP8=fp8, PDL=pdl.enabled(query), num_warps=4,
         **pdl.launch_args(query),
     )
