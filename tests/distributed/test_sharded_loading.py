@@ -74,7 +74,7 @@ def test_tiny_llama_ranks_hold_their_slices(tmp_path, tp_rank):
 
 def test_qwen3_moe_gguf_experts_shard_by_intermediate_dim(tmp_path, tp_rank):
     """Stacked GGUF experts ``[E, I, H]`` / ``[E, H, I]`` narrowed before reading."""
-    from tests.gguf_export import qwen3moe
+    from tools.gguf_export import qwen3moe
 
     from transformers import AutoModelForCausalLM
 

@@ -5,7 +5,7 @@ the BPE kind is covered by the default model's tests."""
 import numpy as np
 
 from cvllm.loader import ModelSource, load_tokenizer
-from tests.gguf_export.common import write_gguf
+from tools.gguf_export.common import write_gguf
 
 PIECES = ["▁", "▁h", "▁he", "▁hel", "▁hell", "▁hello", "▁w", "▁wo", "▁wor", "▁worl", "▁world",
           "h", "e", "l", "o", "w", "r", "d", "he", "ll", "wo"]

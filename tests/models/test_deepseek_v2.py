@@ -203,7 +203,7 @@ def test_gguf_both_kv_b_conventions_load_the_hf_model(variant, tmp_path):
     and the older whole attn_kv_b with per-head lengths) give the HF config's settings and
     a model with the HF checkpoint's weights."""
     from cvllm.loader.gguf_loader import gguf_config, iter_gguf_weights
-    from tests.gguf_export import deepseek2
+    from tools.gguf_export import deepseek2
 
     if variant == "v3_gguf":
         yarn = dict(deepseek_tiny.V3_YARN, mscale=0.8)

@@ -15,7 +15,7 @@ def test_deepseek_v2_family(tmp_path):
 
 def test_deepseek_v2_gguf(tmp_path):
     """transformers has no GGUF loader for deepseek2, so only cvllm reads the file."""
-    from tests.gguf_export import deepseek2
+    from tools.gguf_export import deepseek2
 
     hf = deepseek_tiny.build(deepseek_tiny.v2_config(attention_bias=False, mlp_bias=False), seed=2)
     folder = save_tiny(hf, tmp_path)

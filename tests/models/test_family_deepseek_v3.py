@@ -18,7 +18,7 @@ def test_deepseek_v3_family(tmp_path):
 def test_deepseek_v3_gguf(tmp_path):
     """transformers has no GGUF loader for deepseek2, so only cvllm reads the file.
     llama.cpp stores one YaRN mscale (mscale_all_dim) and assumes mscale equals it."""
-    from tests.gguf_export import deepseek2
+    from tools.gguf_export import deepseek2
 
     yarn = dict(deepseek_tiny.V3_YARN, mscale=0.8)
     hf = deepseek_tiny.build(deepseek_tiny.v3_config(rope_parameters=yarn), seed=3)

@@ -79,7 +79,7 @@ def test_gemma2_gguf(tmp_path):
     defaults for the rest (softcaps 50 / 30, query_pre_attn_scalar 256): the tiny model
     uses those values, with head_dim 256 so that llama.cpp's implied attention scale
     (1/sqrt(head_dim)) agrees."""
-    from tests.gguf_export import gemma2 as gguf_gemma2
+    from tools.gguf_export import gemma2 as gguf_gemma2
 
     torch.manual_seed(1)
     cfg = Gemma2Config(**TINY, head_dim=256, sliding_window=6)

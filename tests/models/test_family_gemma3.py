@@ -82,7 +82,7 @@ def test_gemma3_gguf(tmp_path):
     """transformers' GGUF loader takes Gemma 3's sliding pattern (every 6th layer global),
     query_pre_attn_scalar (256) and local rope base from its config defaults and ignores
     rope scaling, as llama.cpp implies them: 6 layers, head_dim 256, no scaling."""
-    from tests.gguf_export import gemma3 as gguf_gemma3
+    from tools.gguf_export import gemma3 as gguf_gemma3
 
     torch.manual_seed(1)
     cfg = Gemma3TextConfig(**dict(TINY, num_hidden_layers=6, head_dim=256, sliding_window=6))
@@ -98,7 +98,7 @@ def test_gemma3_gguf_metadata(tmp_path):
     global layers only, the llama.cpp sliding pattern, no softcaps."""
     from cvllm.loader.gguf_config import gguf_to_hf_config
     from cvllm.loader.gguf_loader import open_gguf
-    from tests.gguf_export import gemma3 as gguf_gemma3
+    from tools.gguf_export import gemma3 as gguf_gemma3
 
     kw = dict(TINY, num_hidden_layers=7, head_dim=16, sliding_window=6)
     cfg = Gemma3TextConfig(**kw, rope_scaling={"rope_type": "linear", "factor": 8.0})

@@ -24,7 +24,7 @@ def test_glm4_family(tmp_path):
 
 def test_glm4_gguf(tmp_path):
     from cvllm.loader.gguf_loader import gguf_config
-    from tests.gguf_export import glm4 as gguf_glm4
+    from tools.gguf_export import glm4 as gguf_glm4
 
     torch.manual_seed(1)
     hf = Glm4ForCausalLM(Glm4Config(**TINY, tie_word_embeddings=True))

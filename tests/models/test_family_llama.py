@@ -33,7 +33,7 @@ def test_llama_family(tmp_path, variant):
 
 
 def test_llama_gguf(tmp_path):
-    from tests.gguf_export import llama as gguf_llama
+    from tools.gguf_export import llama as gguf_llama
 
     torch.manual_seed(1)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -32,7 +32,7 @@ def test_phi_gguf(tmp_path, fused_qkv):
     """llama.cpp's phi2: attn_qkv fused (the published files) or split, with biases,
     output.bias, no qk norm, MHA (its converter writes head_count_kv = head_count).
     transformers has no phi2 GGUF loader."""
-    from tests.gguf_export import phi2 as gguf_phi2
+    from tools.gguf_export import phi2 as gguf_phi2
 
     hf = _tiny(1, num_key_value_heads=4, qk_layernorm=False, partial_rotary_factor=0.4)
     folder = save_tiny(hf, tmp_path)

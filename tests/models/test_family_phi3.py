@@ -93,7 +93,7 @@ def _check_longrope(hf, tmp_path, want_long: bool) -> None:
 def test_phi3_gguf(tmp_path):
     """Plain rope, full rotary: what transformers' phi3 GGUF loader understands (it reads
     neither rope factors nor rope.dimension_count), so it must load the file to HF's logits."""
-    from tests.gguf_export import phi3 as gguf_phi3
+    from tools.gguf_export import phi3 as gguf_phi3
 
     hf = _tiny(_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 2)
     folder = save_tiny(hf, tmp_path)
@@ -104,7 +104,7 @@ def test_phi3_gguf(tmp_path):
 def test_phi3_gguf_longrope(tmp_path):
     """longrope factors as rope_factors_long/short tensors, partial rotary from
     rope.dimension_count, sliding window, tied embeddings (no output.weight)."""
-    from tests.gguf_export import phi3 as gguf_phi3
+    from tools.gguf_export import phi3 as gguf_phi3
 
     hf = _tiny(_config(original=6, sliding_window=8, tie_word_embeddings=True), 3)
     folder = save_tiny(hf, tmp_path)

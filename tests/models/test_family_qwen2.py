@@ -32,7 +32,7 @@ def test_qwen2_family(tmp_path):
 
 
 def test_qwen2_gguf(tmp_path):
-    from tests.gguf_export import qwen2 as gguf_qwen2
+    from tools.gguf_export import qwen2 as gguf_qwen2
 
     torch.manual_seed(1)
     hf = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=False))

@@ -36,7 +36,7 @@ def test_qwen2_moe_gguf(tmp_path):
     transformers' GGUF loader reads no expert / shared-expert widths for qwen2moe and
     falls back to its config defaults (1408 / 5632): the tiny model uses those widths so
     transformers can read the same file."""
-    from tests.gguf_export import qwen2moe
+    from tools.gguf_export import qwen2moe
 
     hf = _tiny(2, moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
     folder = save_tiny(hf, tmp_path)

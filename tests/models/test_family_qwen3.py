@@ -26,7 +26,7 @@ def test_qwen3_family(tmp_path):
 
 
 def test_qwen3_gguf(tmp_path):
-    from tests.gguf_export import qwen3 as gguf_qwen3
+    from tools.gguf_export import qwen3 as gguf_qwen3
 
     torch.manual_seed(1)
     # head_dim 128 (not hidden/heads = 16): transformers' qwen3 GGUF reader ignores

@@ -29,7 +29,7 @@ def test_qwen3_moe_gguf(tmp_path):
     """llama.cpp's qwen3moe always renormalises the top-k weights, and transformers' GGUF
     loader (norm_topk_prob=True for qwen3moe) reads no expert width, falling back to its
     default 768: the tiny model uses both so every reader agrees on the file."""
-    from tests.gguf_export import qwen3moe
+    from tools.gguf_export import qwen3moe
 
     hf = _tiny(1, norm_topk_prob=True, moe_intermediate_size=768)
     folder = save_tiny(hf, tmp_path)

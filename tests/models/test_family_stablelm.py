@@ -33,7 +33,7 @@ def test_stablelm_gguf(tmp_path):
     """What transformers' stablelm GGUF loader reads back (it derives use_qkv_bias and
     use_parallel_residual from the tensors, keeps the default partial rotary 0.25 and
     rope_theta, and has no qk_layernorm flag), so it must load the file to HF's logits."""
-    from tests.gguf_export import stablelm as gguf_stablelm
+    from tools.gguf_export import stablelm as gguf_stablelm
 
     hf = _tiny(1, qk_layernorm=False, use_parallel_residual=False)
     folder = save_tiny(hf, tmp_path)
@@ -43,7 +43,7 @@ def test_stablelm_gguf(tmp_path):
 
 def test_stablelm_gguf_qk_norm(tmp_path):
     """Per-head q/k norms stacked [heads, head_dim] as llama.cpp's converter writes them."""
-    from tests.gguf_export import stablelm as gguf_stablelm
+    from tools.gguf_export import stablelm as gguf_stablelm
 
     hf = _tiny(2, partial_rotary_factor=0.5, tie_word_embeddings=True)
     folder = save_tiny(hf, tmp_path)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
-from tests.gguf_export.common import COMMON_LAYER_NAMES, base_kv, gguf_tensor_name, write_gguf
+from .common import COMMON_LAYER_NAMES, QuantPlan, base_kv, gguf_tensor_name, write_gguf
 
 ARCH = "deepseek2"
 LAYER_NAMES = dict(
@@ -159,5 +159,6 @@ def _split_kv_b(gguf_name: str, w: np.ndarray, cfg) -> Dict[str, np.ndarray]:
     }
 
 
-def export(model, path: Path, split_kv_b: bool = True) -> Path:
-    return write_gguf(path, ARCH, metadata(model.config, split_kv_b), tensors(model, split_kv_b))
+def export(model, path: Path, split_kv_b: bool = True, plan: Optional[QuantPlan] = None) -> Path:
+    return write_gguf(path, ARCH, metadata(model.config, split_kv_b), tensors(model, split_kv_b),
+                      plan)

@@ -1,12 +1,13 @@
 """llama: Q/K rows interleaved by llama.cpp's permute; head_dim from rope dimension."""
 
 from pathlib import Path
+from typing import Optional
 
-from tests.gguf_export.common import (base_kv, gguf_tensor_name, llama_cpp_permute, state_tensors,
-                                      write_gguf)
+from .common import (QuantPlan, base_kv, gguf_tensor_name, llama_cpp_permute, state_tensors,
+                     write_gguf)
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = base_kv("llama", cfg)
     kv["llama.attention.layer_norm_rms_epsilon"] = float(cfg.rms_norm_eps)
@@ -20,4 +21,4 @@ def export(model, path: Path) -> Path:
             return llama_cpp_permute(arr, cfg.num_key_value_heads)
         return arr
 
-    return write_gguf(path, "llama", kv, state_tensors(model, gguf_tensor_name, transform))
+    return write_gguf(path, "llama", kv, state_tensors(model, gguf_tensor_name, transform), plan)

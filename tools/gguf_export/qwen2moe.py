@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
-from tests.gguf_export.common import COMMON_LAYER_NAMES, base_kv, gguf_tensor_name, write_gguf
+from .common import COMMON_LAYER_NAMES, QuantPlan, base_kv, gguf_tensor_name, write_gguf
 
 MOE_LAYER_NAMES = dict(COMMON_LAYER_NAMES, **{
     "mlp.gate": "ffn_gate_inp",
@@ -79,5 +79,5 @@ def moe_tensors(model) -> Dict[str, np.ndarray]:
     return out
 
 
-def export(model, path: Path, arch: str = "qwen2moe") -> Path:
-    return write_gguf(path, arch, moe_kv(arch, model.config), moe_tensors(model))
+def export(model, path: Path, arch: str = "qwen2moe", plan: Optional[QuantPlan] = None) -> Path:
+    return write_gguf(path, arch, moe_kv(arch, model.config), moe_tensors(model), plan)

@@ -4,12 +4,13 @@ as rope.scaling.*; no softcaps. Not written, implied by llama.cpp: the local rop
 base 10000, every 6th layer global, the attention scale (see gemma2.py)."""
 
 from pathlib import Path
+from typing import Optional
 
-from tests.gguf_export.common import state_tensors, write_gguf
-from tests.gguf_export.gemma2 import gemma_kv, gemma_name, gemma_norm_plus_one
+from .common import QuantPlan, state_tensors, write_gguf
+from .gemma2 import gemma_kv, gemma_name, gemma_norm_plus_one
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config.get_text_config()
     if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
         raise ValueError("llama.cpp's gemma3 has no softcaps")
@@ -23,4 +24,4 @@ def export(model, path: Path) -> Path:
         kv["gemma3.rope.scaling.type"] = "linear"
         kv["gemma3.rope.scaling.factor"] = float(full["factor"])
     tensors = state_tensors(model, gemma_name, gemma_norm_plus_one)
-    return write_gguf(path, "gemma3", kv, tensors)
+    return write_gguf(path, "gemma3", kv, tensors, plan)

@@ -9,18 +9,19 @@ sqrt(1 + ln(max_pos / original) / ln(original)) (1 when not extending)."""
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from tests.gguf_export.common import (COMMON_LAYER_NAMES, base_kv, gguf_tensor_name, state_tensors,
-                                      write_gguf)
-from tests.gguf_export.phi2 import partial_rotary_factor
+from .common import (COMMON_LAYER_NAMES, QuantPlan, base_kv, gguf_tensor_name, state_tensors,
+                     write_gguf)
+from .phi2 import partial_rotary_factor
 
 PHI3_LAYER_NAMES = {**COMMON_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv",
                     "mlp.gate_up_proj": "ffn_up"}
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = base_kv("phi3", cfg)
     kv["phi3.vocab_size"] = int(cfg.vocab_size)
@@ -41,4 +42,4 @@ def export(model, path: Path) -> Path:
         kv["phi3.rope.scaling.attn_factor"] = float(attn_factor)
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)
-    return write_gguf(path, "phi3", kv, tensors)
+    return write_gguf(path, "phi3", kv, tensors, plan)

@@ -3,9 +3,11 @@ Qwen2MoeModel converter) plus the q/k norms ``attn_q_norm`` / ``attn_k_norm`` an
 ``attention.key_length`` from the config's head_dim; no shared expert."""
 
 from pathlib import Path
+from typing import Optional
 
-from tests.gguf_export import qwen2moe
+from . import qwen2moe
+from .common import QuantPlan
 
 
-def export(model, path: Path) -> Path:
-    return qwen2moe.export(model, path, arch="qwen3moe")
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
+    return qwen2moe.export(model, path, arch="qwen3moe", plan=plan)

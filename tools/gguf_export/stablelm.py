@@ -8,12 +8,13 @@ rope.freq_base in the converter's files (llama.cpp's default 10000 applies); thi
 adds it only when the config's theta differs."""
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from tests.gguf_export.common import (COMMON_LAYER_NAMES, base_kv, gguf_tensor_name, state_tensors,
-                                      write_gguf)
-from tests.gguf_export.phi2 import partial_rotary_factor
+from .common import (COMMON_LAYER_NAMES, QuantPlan, base_kv, gguf_tensor_name, state_tensors,
+                     write_gguf)
+from .phi2 import partial_rotary_factor
 
 
 def _name(hf_name: str):
@@ -22,7 +23,7 @@ def _name(hf_name: str):
     return gguf_tensor_name(hf_name, COMMON_LAYER_NAMES)
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = base_kv("stablelm", cfg)
     kv["stablelm.vocab_size"] = int(cfg.vocab_size)
@@ -42,4 +43,4 @@ def export(model, path: Path) -> Path:
                 stem = f"model.layers.{i}.self_attn.{x}_layernorm.norms"
                 rows = [sd[f"{stem}.{h}.weight"].float().numpy() for h in range(n)]
                 tensors[f"blk.{i}.attn_{x}_norm.weight"] = np.stack(rows)  # [heads, head_dim]
-    return write_gguf(path, "stablelm", kv, tensors)
+    return write_gguf(path, "stablelm", kv, tensors, plan)

@@ -3,8 +3,9 @@ rows in HF order, unpermuted; q/k/v biases go to ``attn_{q,k,v}.bias``. llama.cp
 sliding window for qwen2, so the file carries none."""
 
 from pathlib import Path
+from typing import Optional
 
-from tests.gguf_export.common import base_kv, gguf_tensor_name, state_tensors, write_gguf
+from .common import QuantPlan, base_kv, gguf_tensor_name, state_tensors, write_gguf
 
 
 def qwen_kv(arch: str, cfg) -> dict:
@@ -22,6 +23,6 @@ def qwen_kv(arch: str, cfg) -> dict:
     return kv
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     return write_gguf(path, "qwen2", qwen_kv("qwen2", model.config),
-                      state_tensors(model, gguf_tensor_name))
+                      state_tensors(model, gguf_tensor_name), plan)

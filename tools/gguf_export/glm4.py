@@ -5,9 +5,10 @@ post_self_attn_layernorm) and ``post_ffw_norm`` (post_mlp_layernorm), and the fu
 ``gate_up_proj`` is written whole as ``ffn_up``."""
 
 from pathlib import Path
+from typing import Optional
 
-from tests.gguf_export.common import COMMON_LAYER_NAMES, gguf_tensor_name, state_tensors, write_gguf
-from tests.gguf_export.qwen2 import qwen_kv
+from .common import COMMON_LAYER_NAMES, QuantPlan, gguf_tensor_name, state_tensors, write_gguf
+from .qwen2 import qwen_kv
 
 GLM4_LAYER_NAMES = {
     **COMMON_LAYER_NAMES,
@@ -17,7 +18,7 @@ GLM4_LAYER_NAMES = {
 }
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = qwen_kv("glm4", cfg)  # the same base keys (key_length: GLM-4 configs name head_dim)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -25,4 +26,4 @@ def export(model, path: Path) -> Path:
     factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 0.5))
     kv["glm4.rope.dimension_count"] = int(head_dim * factor)
     tensors = state_tensors(model, lambda n: gguf_tensor_name(n, GLM4_LAYER_NAMES))
-    return write_gguf(path, "glm4", kv, tensors)
+    return write_gguf(path, "glm4", kv, tensors, plan)

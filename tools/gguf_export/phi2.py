@@ -9,10 +9,11 @@ this writer adds it only when the config's theta differs. The converter writes
 ``head_count_kv = head_count`` (Phi-2 is MHA); here it is the config's value."""
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from tests.gguf_export.common import base_kv, gguf_tensor_name, state_tensors, write_gguf
+from .common import QuantPlan, base_kv, gguf_tensor_name, state_tensors, write_gguf
 
 PHI2_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -38,7 +39,7 @@ def fuse_qkv(tensors, num_layers: int):
     return tensors
 
 
-def export(model, path: Path, fused_qkv: bool = True) -> Path:
+def export(model, path: Path, fused_qkv: bool = True, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = base_kv("phi2", cfg)
     kv["phi2.vocab_size"] = int(cfg.vocab_size)
@@ -53,4 +54,4 @@ def export(model, path: Path, fused_qkv: bool = True) -> Path:
     tensors = state_tensors(model, lambda n: gguf_tensor_name(n, PHI2_LAYER_NAMES, PHI2_TOP_NAMES))
     if fused_qkv:
         tensors = fuse_qkv(tensors, cfg.num_hidden_layers)
-    return write_gguf(path, "phi2", kv, tensors)
+    return write_gguf(path, "phi2", kv, tensors, plan)

@@ -6,12 +6,12 @@ no sliding pattern (implied: every 2nd layer global) and no query_pre_attn_scala
 head_dim, except on the 27B)."""
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from tests.gguf_export.common import (COMMON_LAYER_NAMES, base_kv, gguf_tensor_name,
-                                      state_tensors, write_gguf)
+from .common import (COMMON_LAYER_NAMES, QuantPlan, base_kv, gguf_tensor_name, state_tensors,
+                     write_gguf)
 
 GEMMA_LAYER_NAMES = {
     **COMMON_LAYER_NAMES,
@@ -45,10 +45,10 @@ def gemma_kv(arch: str, cfg: Any) -> Dict[str, Any]:
     return kv
 
 
-def export(model, path: Path) -> Path:
+def export(model, path: Path, plan: Optional[QuantPlan] = None) -> Path:
     cfg = model.config
     kv = gemma_kv("gemma2", cfg)
     kv["gemma2.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
     kv["gemma2.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
     tensors = state_tensors(model, gemma_name, gemma_norm_plus_one)
-    return write_gguf(path, "gemma2", kv, tensors)
+    return write_gguf(path, "gemma2", kv, tensors, plan)
