@@ -1,0 +1,158 @@
+"""The interface between the GGUF quantization methods and the kernels of one device kind.
+
+``quantization/gguf.py``'s methods hand each run of same-type rows of a weight (GGUF's
+bytes, ``uint8 [N, K / B * S]``) to ``backend_for(device, type)`` once after loading
+(``prepare``: the backend may repack into a layout its kernels read fast, freeing the
+bytes), then call ``linear`` every step and ``embedding`` for token lookups. The methods
+never look for capabilities by name: what a backend offers is this class.
+
+Backends: the Triton kernels on CUDA (``ggml_cuda``), the CPU kernels (``ggml_cpu``);
+``DequantizedBackend`` (a dequantized copy) for a type or activation dtype those do not
+take (Q6_K on the CPU, float32 activations on CUDA); ``ReferenceBackend`` (the torch
+reference, dequantizing per call: the tests' exact oracle). Built per call of ``backend_for``; no state outside the weights they prepare.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from cvllm.kernels.quant.ggml_types import FLOAT_TYPES, QUANTIZED_TYPES, GgmlType
+
+
+class GgmlWeight(ABC):
+    """A weight prepared by a backend (its own layout)."""
+
+    ggml_type: GgmlType
+    shape: Tuple[int, int]
+    """Logical ``(N, K)``."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Device bytes this weight holds."""
+
+
+class GgmlBackend(ABC):
+    """Kernels for GGML-typed weights on one device kind."""
+
+    name: str = ""
+
+    @abstractmethod
+    def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
+        """Whether this backend multiplies ``t`` weights with ``dtype`` activations."""
+
+    @abstractmethod
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> GgmlWeight:
+        """``raw uint8 [N, K / B * S]`` -> this backend's weight (``dtype``: activations)."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, w: GgmlWeight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [M, K] -> [M, N]`` in ``x``'s dtype."""
+
+    @abstractmethod
+    def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids [T]`` of the dequantized weight: ``[T, K]`` in ``dtype``."""
+
+    def exact(self, dtype: torch.dtype) -> bool:
+        """Whether ``linear`` with ``dtype`` activations multiplies by the exactly
+        dequantized weight, accumulating at least in ``dtype``; False for a backend that
+        rounds activations or scales to a narrower type."""
+        return True
+
+
+@dataclass
+class RawWeight(GgmlWeight):
+    """GGUF's bytes as they are."""
+
+    raw: torch.Tensor
+    """``uint8 [N, K / B * S]``."""
+    ggml_type: GgmlType
+    shape: Tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+class ReferenceBackend(GgmlBackend):
+    """The torch reference: every call dequantizes the whole weight (correct everywhere,
+    slow; the fallback for a type or device without kernels)."""
+
+    name = "torch reference"
+
+    def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
+        return t in QUANTIZED_TYPES or t in FLOAT_TYPES
+
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> RawWeight:
+        from cvllm.kernels.quant.ggml_types import block_shape
+
+        elems, nbytes = block_shape(t)
+        return RawWeight(raw, t, (raw.shape[0], raw.shape[1] // nbytes * elems))
+
+    def linear(self, x: torch.Tensor, w: GgmlWeight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from cvllm.kernels.quant.reference import dequantize
+
+        weight = dequantize(w.raw, w.ggml_type, x.dtype)  # [N, K]
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from cvllm.kernels.quant.reference import dequantize
+
+        return dequantize(w.raw[ids], w.ggml_type, dtype)  # [T, K]
+
+
+@dataclass
+class DequantizedWeight(GgmlWeight):
+    """The weight dequantized once to the activation dtype."""
+
+    weight: torch.Tensor
+    """``[N, K]``."""
+    ggml_type: GgmlType
+    shape: Tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class DequantizedBackend(GgmlBackend):
+    """Dequantizes at ``prepare`` and multiplies in float: the CPU's path for a type without
+    a CPU kernel (the bytes of a float weight, the speed of one)."""
+
+    name = "dequantized"
+
+    def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
+        return t in QUANTIZED_TYPES or t in FLOAT_TYPES
+
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> DequantizedWeight:
+        from cvllm.kernels.quant.reference import dequantize
+
+        w = dequantize(raw, t, dtype)  # [N, K]
+        return DequantizedWeight(w, t, tuple(w.shape))
+
+    def linear(self, x: torch.Tensor, w: GgmlWeight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w.weight, bias)
+
+    def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, w.weight).to(dtype)
+
+
+def backend_for(device: torch.device, t: GgmlType, dtype: torch.dtype) -> GgmlBackend:
+    """The fastest backend on ``device`` that takes ``t`` with ``dtype`` activations."""
+    candidates: list = []
+    if device.type == "cuda":
+        from cvllm.kernels.quant.ggml_cuda import CudaBackend
+
+        candidates += [CudaBackend(), DequantizedBackend()]
+    elif device.type == "cpu":
+        from cvllm.kernels.quant.ggml_cpu import CpuBackend
+
+        candidates += [CpuBackend(), DequantizedBackend()]
+    for backend in candidates:
+        if backend.supports(t, dtype):
+            return backend
+    return ReferenceBackend()

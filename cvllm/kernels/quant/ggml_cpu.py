@@ -1,0 +1,398 @@
+"""CPU kernels of GGUF (GGML) block-quantized linears, kept quantized in memory.
+
+Built by the GGUF quantization method through ``backend.backend_for`` once per weight after
+loading (``prepare``), then called every step (``linear``, ``embedding``). Stateless apart
+from the weights it prepares; the same on every rank.
+
+The multiply is torch's own int4 CPU kernel, ``aten._weight_int4pack_mm_for_cpu``
+(AVX-512 / AVX2, no compiler at install time): ``y = x @ W.T`` where each 4-bit code ``v``
+of ``W`` stands for ``scale * (v - 8) + zero`` with a (scale, zero) pair per 32 inputs.
+Every GGML type is first written in an *integer form*, ``w = s * c + z`` with an integer
+``c`` and one (s, z) per 32 inputs, then ``c`` becomes int4 *planes*:
+
+- ``c`` spans at most 16 values (Q4_0, Q4_1, Q4_K): one plane.
+- ``c`` fits int8 (Q5_*, Q8_0, IQ4_*, Q3_K with its sub-block scale folded into ``c``):
+  two planes, ``c = 16 * (c >> 4) + (c & 15)``; the high nibble gets scale ``16 s``.
+- Q2_K: two planes for ``sc * q`` and one for the sub-block mins (``-dmin * m``).
+- Q6_K (16-element sub-blocks with an 8-bit scale each, which no 32-group int4 plane can
+  hold): a dense copy in the activation dtype, multiplied by ``F.linear``.
+
+The planes of one weight are laid side by side along K, so one kernel call multiplies
+``[x, x, ..]`` (``P * K`` inputs) by all of them: a 2-plane type costs about twice a
+4-bit one. Measured with tools/bench_ggml_cpu.py (torch 2.13, AVX-512 + AMX Xeon, one
+thread's CPU time, weights streamed from L3 as in a decode step), 3072 x 576: one row
+94 us (Q4_1) / 220 us (Q8_0) against 413 us for bf16 ``F.linear`` and 461 us for
+float32; at 16 rows 644 / 1310 us against 448 us for bf16, since the kernel decodes the
+weight again for every 4 rows. Hence ``prepare``'s opt-in ``dense_from_m`` (a bf16 copy
+for batches) and ``DEQUANT_MIN_M`` (prefill: dequantize, then oneDNN).
+
+Precision: the kernel takes bf16 activations, bf16 (scale, zero) pairs and accumulates in
+float32. GGUF's f16 block scales (and Q4_1's ``m + 8 d``, K-quants' ``d * sc``) are rounded
+to bf16: a relative error of at most 2^-9 per group scale, a fraction of the 4-bit
+quantization step. The codes are exact. float32 activations are rounded to bf16 for the
+call and the result is widened back. The int4 kernel's float32 / f16 variants are scalar
+code (10-100x slower), so they are never used.
+
+Shapes: ``N`` output features, ``K`` input features, ``P`` planes, ``G`` = 32 inputs per
+(scale, zero) group, ``Np`` = N rounded up to the kernel's 64-row tiles, ``R`` block rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from cvllm.kernels.quant.backend import GgmlBackend, GgmlWeight
+from cvllm.kernels.quant.ggml_types import QK_K, QUANTIZED_TYPES, GgmlType, block_shape
+from cvllm.kernels.quant.reference import (
+    IQ4_LEVELS, _f16, _fields, _k_scale_min, _q3_k_scales, _q5_low_high, _signed,
+    dequantize as _ref_dequantize,
+)
+
+GROUP = 32
+"""Inputs per (scale, zero) pair: every supported type has 32-element (sub-)blocks."""
+
+TILE_N = 64
+"""Output rows per tile of the AVX-512 int4 kernel's packed layout: N is padded to it so
+that every tile has the same byte layout (which ``_codes_of_rows`` decodes). Other CPU
+builds of the kernel (AVX2: 32-row tiles) pack differently; ``_tiles_decodable`` finds
+out once, and there ``prepare`` keeps GGUF's bytes for ``dequantize`` / ``embedding``."""
+
+DENSE_TYPES = frozenset({GgmlType.Q6_K})
+"""Types kept as a dense copy in the activation dtype (see the module docstring)."""
+
+DEQUANT_MIN_M = 128
+"""From this many rows of ``x`` (prefill), dequantizing the weight to bf16 (about 2.5 ns
+an element on one core) and calling ``F.linear`` (oneDNN, AMX) beats the int4 kernel,
+whose time grows with every 4 rows because it decodes the weight again for each 4-row
+tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 planes
+(one thread, 3072 x 576: int4 at 256 rows 9.9 ms, dequantize 4.6 ms + F.linear 0.8 ms)."""
+
+_PREP_ROWS = 8192
+"""Rows converted at once in ``prepare``: bounds the int32 code buffer (the LM head's
+49152 rows would take 230 MB at once)."""
+
+# An integer term: codes c [R, E] (int32), scale s and zero z [R, E / 32] (float32, z may
+# be None), and the static range (lo, hi) of c for this type.
+Term = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int, int]
+
+
+@dataclass
+class CpuGgmlWeight(GgmlWeight):
+    """A GGML weight in the int4 kernel's layout (or a dense copy for ``DENSE_TYPES``)."""
+
+    ggml_type: GgmlType
+    shape: Tuple[int, int]
+    """Logical ``(N, K)``."""
+    dtype: torch.dtype
+    """Activation dtype the weight was prepared for (embedding's default output)."""
+    planes: int = 0
+    """int4 planes laid along K (0 for a dense weight)."""
+    packed: Optional[torch.Tensor] = None
+    """``uint8 [Np, P * K / 2]`` in the kernel's tile layout (bytes ``[Np / 64, P * K, 32]``)."""
+    scales_zeros: Optional[torch.Tensor] = None
+    """``bf16 [P * K / 32, Np, 2]``: (scale, zero) per group and row."""
+    dense: Optional[torch.Tensor] = None
+    """``[N, K]`` in ``dtype`` for ``DENSE_TYPES``."""
+    raw: Optional[torch.Tensor] = None
+    """GGUF's bytes, kept only where ``_codes_of_rows`` cannot read this CPU's packing."""
+    batch_dense: Optional[torch.Tensor] = None
+    """Opt-in bf16 ``[N, K]`` copy beside the int4 planes, for ``x`` of at least
+    ``dense_from_m`` rows (``prepare``'s ``dense_from_m``)."""
+    dense_from_m: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.packed, self.scales_zeros, self.dense, self.raw, self.batch_dense)
+                   if t is not None)
+
+
+# ------------------------------------------------------------------ integer forms per type
+
+def _int_levels(device: torch.device) -> torch.Tensor:
+    return torch.tensor(IQ4_LEVELS, dtype=torch.int32, device=device)  # [16]
+
+
+def _int_q4_0(b: torch.Tensor) -> List[Term]:
+    q = _fields(b[:, 2:18], 4).reshape(-1, 32).int()  # [R, 32]
+    return [(q - 8, _f16(b, 0), None, -8, 7)]
+
+
+def _int_q4_1(b: torch.Tensor) -> List[Term]:
+    q = _fields(b[:, 4:20], 4).reshape(-1, 32).int()  # [R, 32]
+    return [(q, _f16(b, 0), _f16(b, 2), 0, 15)]
+
+
+def _int_q5_0(b: torch.Tensor) -> List[Term]:
+    q = _q5_low_high(b[:, 6:22], b[:, 2:6]).int()  # [R, 32]
+    return [(q - 16, _f16(b, 0), None, -16, 15)]
+
+
+def _int_q5_1(b: torch.Tensor) -> List[Term]:
+    q = _q5_low_high(b[:, 8:24], b[:, 4:8]).int()  # [R, 32]
+    return [(q, _f16(b, 0), _f16(b, 2), 0, 31)]
+
+
+def _int_q8_0(b: torch.Tensor) -> List[Term]:
+    return [(_signed(b[:, 2:34]).int(), _f16(b, 0), None, -128, 127)]
+
+
+def _int_iq4_nl(b: torch.Tensor) -> List[Term]:
+    q = _fields(b[:, 2:18], 4).reshape(-1, 32).long()  # [R, 32]
+    return [(_int_levels(b.device)[q], _f16(b, 0), None, -127, 113)]
+
+
+def _int_q4_k(b: torch.Tensor) -> List[Term]:
+    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
+    q = _fields(b[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, QK_K).int()  # [R, 256]
+    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
+    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
+    return [(q, s, z, 0, 15)]
+
+
+def _int_q5_k(b: torch.Tensor) -> List[Term]:
+    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
+    low = _fields(b[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)  # [R, 8, 32]
+    high = _fields(b[:, 16:48], 1)  # [R, 8, 32]
+    q = (low | (high << 4)).reshape(-1, QK_K).int()  # [R, 256]
+    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
+    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
+    return [(q, s, z, 0, 31)]
+
+
+def _int_iq4_xs(b: torch.Tensor) -> List[Term]:
+    low = _fields(b[:, 4:8], 4).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
+    high = _fields(b[:, 2:4], 2).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
+    s = _f16(b, 0) * ((low | (high << 4)).float() - 32)  # [R, 8]
+    q = _fields(b[:, 8:136].reshape(-1, 8, 16), 4).reshape(-1, QK_K).long()  # [R, 256]
+    return [(_int_levels(b.device)[q], s, None, -127, 113)]
+
+
+def _int_q3_k(b: torch.Tensor) -> List[Term]:
+    # The 16-element sub-blocks' 6-bit scales are folded into the codes, leaving one f16
+    # scale per 256; negated because (sc - 32) * q spans [-124, 128], one past int8.
+    sc = _q3_k_scales(b[:, 96:108]).unsqueeze(-1)  # [R, 16, 1]
+    low = _fields(b[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # [R, 16, 16]
+    high = _fields(b[:, 0:32], 1).reshape(-1, 16, 16)  # [R, 16, 16]
+    q = low.int() - ((high ^ 1).int() << 2)  # [R, 16, 16]
+    c = -(sc * q).reshape(-1, QK_K)  # [R, 256]
+    return [(c, -_f16(b, 108).expand(-1, 8), None, -128, 124)]
+
+
+def _int_q2_k(b: torch.Tensor) -> List[Term]:
+    # (d * sc) * q - dmin * m per 16 elements: sc * q is an integer (0..45) under one
+    # scale d, and the mins m become a third plane of their own under -dmin.
+    sc = b[:, 0:16].int().unsqueeze(-1)  # [R, 16, 1]
+    q = _fields(b[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16).int()  # [R, 16, 16]
+    c = ((sc & 0xF) * q).reshape(-1, QK_K)  # [R, 256]
+    m = (sc >> 4).expand(-1, 16, 16).reshape(-1, QK_K)  # [R, 256]
+    d, dmin = _f16(b, 80).expand(-1, 8), _f16(b, 82).expand(-1, 8)  # [R, 8]
+    return [(c, d, None, 0, 45), (m, -dmin, None, 0, 15)]
+
+
+_INT_FORMS: Dict[GgmlType, Callable[[torch.Tensor], List[Term]]] = {
+    GgmlType.Q4_0: _int_q4_0, GgmlType.Q4_1: _int_q4_1, GgmlType.Q5_0: _int_q5_0,
+    GgmlType.Q5_1: _int_q5_1, GgmlType.Q8_0: _int_q8_0, GgmlType.IQ4_NL: _int_iq4_nl,
+    GgmlType.Q2_K: _int_q2_k, GgmlType.Q3_K: _int_q3_k, GgmlType.Q4_K: _int_q4_k,
+    GgmlType.Q5_K: _int_q5_k, GgmlType.IQ4_XS: _int_iq4_xs,
+}
+assert set(_INT_FORMS) | DENSE_TYPES == set(QUANTIZED_TYPES)
+
+
+# ------------------------------------------------------------------------ integer -> planes
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bf16 and widened again, so zeros are derived from the scale the
+    kernel will actually use (8 * bf16(d) is then exact, and Q8_0 stays bf16(d) * q)."""
+    return t.to(torch.bfloat16).float()
+
+
+def _term_planes(term: Term, rows: int, cols: int):
+    """One integer term -> its int4 planes: a list of (codes int32 [rows, cols] in 0..15,
+    scale, zero float32 [rows, cols / 32])."""
+    c, s, z, lo, hi = term
+    c = c.reshape(rows, cols)  # [N, K]
+    s = _bf16(s.reshape(rows, cols // GROUP))  # [N, K / G]
+    z = torch.zeros_like(s) if z is None else z.reshape(rows, cols // GROUP)
+    if hi - lo < 16:
+        # w = s * c + z = s * ((c - lo) - 8) + (z + s * (lo + 8))
+        return [(c - lo, s, z + s * (lo + 8))]
+    assert -128 <= lo and hi <= 127, (lo, hi)
+    # c = 16 * (c >> 4) + (c & 15), high nibble signed in [-8, 7]: codes (c >> 4) + 8
+    # under 16 s, and (c & 15) under s with zero z + 8 s.
+    return [((c >> 4) + 8, 16 * s, torch.zeros_like(s)), (c & 15, s, z + 8 * s)]
+
+
+def _pack_rows(raw: torch.Tensor, t: GgmlType, k: int):
+    """``raw uint8 [n, K / B * S]`` (n a multiple of 64) -> (packed uint8 [n, P * K / 2],
+    scales_zeros bf16 [P * K / 32, n, 2], P)."""
+    n = raw.shape[0]
+    elems, nbytes = block_shape(t)
+    terms = _INT_FORMS[t](raw.reshape(-1, nbytes))  # blocks [n * K / B, S]
+    planes = [p for term in terms for p in _term_planes(term, n, k)]
+    codes = torch.cat([p[0] for p in planes], dim=1)  # [n, P * K] int32
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    scales = torch.cat([p[1] for p in planes], dim=1)  # [n, P * K / G]
+    zeros = torch.cat([p[2] for p in planes], dim=1)  # [n, P * K / G]
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [P * K / G, n, 2]
+    return packed, sz.to(torch.bfloat16).contiguous(), len(planes)
+
+
+# ------------------------------------------------------------------------------ public API
+
+def supports(t: GgmlType, dtype: torch.dtype) -> bool:
+    """Every type cvllm keeps quantized, with float32 / bf16 / f16 activations."""
+    return t in QUANTIZED_TYPES and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def prepare(raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+            dense_from_m: Optional[int] = None) -> CpuGgmlWeight:
+    """GGUF's bytes ``raw uint8 [N, K / B * S]`` of type ``t`` -> the kernel's layout, for
+    activations of ``dtype``. ``raw`` is not kept (except where this CPU's int4 packing
+    is not the AVX-512 one, see ``TILE_N``).
+
+    ``dense_from_m``: also keep a bf16 copy (2 bytes a weight more) and multiply ``x`` of
+    at least that many rows with it: the int4 kernel decodes the weight once per 4 rows,
+    so at 16 rows it takes 1.4x (one plane) to 2.9x (two planes) bf16 ``F.linear``'s time;
+    bf16 wins from about 8 rows for one plane and 5 for two. None (default): weights stay
+    quantized only."""
+    t = GgmlType(t)
+    if not supports(t, dtype):
+        raise ValueError(f"the CPU GGML kernels take no {t.name} weight with {dtype}")
+    elems, nbytes = block_shape(t)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % nbytes:
+        raise ValueError(f"{t.name} weight must be uint8 [N, K / {elems} * {nbytes}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    n, k = raw.shape[0], raw.shape[1] // nbytes * elems
+    if t in DENSE_TYPES:
+        return CpuGgmlWeight(t, (n, k), dtype, dense=_ref_dequantize(raw, t, dtype))
+    n_pad = -(-n // TILE_N) * TILE_N
+    if n_pad != n:  # padded rows: zero bytes decode to zero scales, so they add nothing
+        raw = torch.cat([raw, raw.new_zeros(n_pad - n, raw.shape[1])])
+    parts = [_pack_rows(raw[i:i + _PREP_ROWS], t, k) for i in range(0, n_pad, _PREP_ROWS)]
+    packed = torch.cat([p[0] for p in parts])  # [Np, P * K / 2]
+    sz = torch.cat([p[1] for p in parts], dim=1)  # [P * K / G, Np, 2]
+    w = CpuGgmlWeight(t, (n, k), dtype, planes=parts[0][2], packed=packed, scales_zeros=sz)
+    if not _tiles_decodable():
+        w.raw = raw[:n].clone()
+    if dense_from_m is not None:
+        w.batch_dense = dequantize(w, torch.bfloat16)  # [N, K]
+        w.dense_from_m = max(1, int(dense_from_m))
+    return w
+
+
+def linear(x: torch.Tensor, w: CpuGgmlWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias) -> [M, N]`` in x's dtype."""
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if w.dense is not None:
+        return F.linear(x, w.dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if w.batch_dense is not None and x.shape[0] >= w.dense_from_m:
+        y = F.linear(x.to(torch.bfloat16), w.batch_dense)  # [M, N]
+    elif x.shape[0] >= DEQUANT_MIN_M:
+        weight = dequantize(w, torch.bfloat16)  # [N, K]
+        y = F.linear(x.to(torch.bfloat16), weight)  # [M, N]
+    else:
+        xb = x.to(torch.bfloat16)
+        if w.planes > 1:
+            xb = xb.repeat(1, w.planes)  # [M, P * K]: one copy of x per plane
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb.contiguous(), w.packed, GROUP, w.scales_zeros)  # [M, Np]
+        if y.shape[1] != n:
+            y = y[:, :n]
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.contiguous()
+
+
+def _codes_of_rows(packed: torch.Tensor, cols: int,
+                   rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """The 4-bit codes of ``rows [T]`` (all Np rows when None) of ``packed`` (``cols``
+    codes a row) as uint8 ``[T, cols]``. The AVX-512 tile layout: bytes
+    ``[Np / 64, cols, 32]``; row r of a tile is the low nibble of byte r (r < 32) or the
+    high nibble of byte r - 32."""
+    tiles = packed.view(-1, cols, 32)  # [Np / 64, cols, 32]
+    if rows is None:
+        both = torch.cat([tiles & 15, tiles >> 4], dim=-1)  # [Np / 64, P * K, 64]
+        return both.transpose(1, 2).reshape(-1, tiles.shape[1])  # [Np, P * K]
+    tile, r = rows // TILE_N, rows % TILE_N  # [T] each
+    bytes_ = tiles[tile, :, r % 32]  # [T, cols]
+    return torch.where((r < 32).unsqueeze(-1), bytes_ & 15, bytes_ >> 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles_decodable() -> bool:
+    """Whether this process's int4 packing is the layout ``_codes_of_rows`` reads (torch
+    picks the kernel by CPU capability at run time, so ask it with a probe)."""
+    codes = torch.randint(0, 16, (2 * TILE_N, 64), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(0))  # [128, 64]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if packed.numel() * 2 != codes.numel():
+        return False
+    return torch.equal(_codes_of_rows(packed.contiguous(), 64, None), codes.to(torch.uint8))
+
+
+def _dequant_rows(w: CpuGgmlWeight, rows: Optional[torch.Tensor], dtype: torch.dtype):
+    """Rows of W from the packed codes with the kernel's own bf16 scales: ``[T, K]``
+    (from GGUF's bytes where this CPU's packing is not readable)."""
+    n, k = w.shape
+    if w.raw is not None:
+        return _ref_dequantize(w.raw if rows is None else w.raw[rows], w.ggml_type, dtype)
+    codes = _codes_of_rows(w.packed, w.planes * k, rows)  # [T, P * K]
+    sz = w.scales_zeros if rows is None else w.scales_zeros[:, rows]  # [P * K / G, T, 2]
+    sz = sz.float().transpose(0, 1)  # [T, P * K / G, 2]
+    t = codes.shape[0]
+    vals = (codes.view(t, -1, GROUP).float() - 8) * sz[..., :1] + sz[..., 1:]  # [T, PK/G, G]
+    out = vals.view(t, w.planes, k).sum(dim=1)  # [T, K]
+    return out.to(dtype)
+
+
+def dequantize(w: CpuGgmlWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight as ``[N, K]`` of ``dtype`` (the values the kernel multiplies by)."""
+    if w.dense is not None:
+        return w.dense.to(dtype, copy=True)
+    return _dequant_rows(w, None, dtype)[:w.shape[0]]
+
+
+def embedding(w: CpuGgmlWeight, ids: torch.Tensor,
+              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Rows ``ids [T]`` of the weight: ``[T, K]`` in ``dtype`` (default: the activation
+    dtype it was prepared for)."""
+    dtype = dtype or w.dtype
+    ids = ids.reshape(-1).long()
+    if w.dense is not None:
+        return w.dense[ids].to(dtype)
+    return _dequant_rows(w, ids, dtype)
+
+
+def nbytes(w: CpuGgmlWeight) -> int:
+    """Bytes the prepared weight holds."""
+    return w.nbytes()
+
+
+class CpuBackend(GgmlBackend):
+    """``backend.GgmlBackend`` over this module's functions."""
+
+    name = "cpu int4pack"
+
+    def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
+        return supports(t, dtype)
+
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> CpuGgmlWeight:
+        return prepare(raw, t, dtype)
+
+    def linear(self, x: torch.Tensor, w: GgmlWeight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear(x, w, bias)
+
+    def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return embedding(w, ids, dtype)
+
+    def exact(self, dtype: torch.dtype) -> bool:
+        return False  # bf16 activations and bf16 block scales

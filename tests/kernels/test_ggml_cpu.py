@@ -1,0 +1,143 @@
+"""The CPU GGML linears (``cvllm/kernels/quant/ggml_cpu.py``) against the torch reference.
+
+Expectation, per supported type, on random blocks with finite f16 scales:
+
+- ``linear`` equals ``x @ dequantize(raw).T`` in float32 within 1.5% of the output's
+  largest magnitude (atol) plus 1.5% relative. The budget: bf16 group scales (2^-9
+  relative), bf16 activations (2^-9 per element) and the bf16 output (2^-9); the
+  measured worst case on these shapes is about 0.5%.
+- ``dequantize`` / ``embedding`` give the reference's values within the bf16 rounding of
+  the group scales and zeros (0.5% of the weight's largest magnitude), and ``embedding``
+  equals the rows of ``dequantize`` exactly. (Under ``ATEN_CPU_CAPABILITY=avx2`` the
+  int4 packing differs and both come from GGUF's kept bytes; the tests pass there too.)
+- The output has x's dtype and shape ``[M, N]`` for any M (1, a partial 4-row tile, the
+  dequantize-then-F.linear path from ``DEQUANT_MIN_M`` rows), N that is not a multiple of
+  the kernel's 64-row tile, a bias, and through the ``CpuBackend`` wrapper.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cvllm.kernels.quant import ggml_cpu
+from cvllm.kernels.quant.ggml_types import BLOCK_SHAPES, QUANTIZED_TYPES, GgmlType
+from cvllm.kernels.quant.reference import dequantize as ref_dequantize
+
+TYPES = sorted(QUANTIZED_TYPES)
+# Byte offsets of each block's f16 fields (ggml-common.h), overwritten with sane scales.
+F16_FIELDS = {
+    GgmlType.Q4_0: (0,), GgmlType.Q4_1: (0, 2), GgmlType.Q5_0: (0,), GgmlType.Q5_1: (0, 2),
+    GgmlType.Q8_0: (0,), GgmlType.Q2_K: (80, 82), GgmlType.Q3_K: (108,),
+    GgmlType.Q4_K: (0, 2), GgmlType.Q5_K: (0, 2), GgmlType.Q6_K: (208,),
+    GgmlType.IQ4_NL: (0,), GgmlType.IQ4_XS: (0,),
+}
+N, K = 100, 512  # N: one full 64-row tile and a padded one
+
+
+def _random_raw(t: GgmlType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    elems, nbytes = BLOCK_SHAPES[t]
+    raw = rng.integers(0, 256, (n, k // elems * nbytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, nbytes)  # a view: writes land in raw
+    for off in F16_FIELDS[t]:
+        scale = rng.uniform(-0.05, 0.05, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8)
+    return torch.from_numpy(raw)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, frac: float):
+    atol = frac * ref.abs().max().item()
+    torch.testing.assert_close(out.float(), ref, rtol=frac, atol=atol)
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda t: t.name)
+def prepared(request):
+    t = request.param
+    raw = _random_raw(t, N, K, seed=int(t))
+    return t, raw, ggml_cpu.prepare(raw, t, torch.bfloat16), ref_dequantize(raw, t)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_matches_reference(prepared, m, dtype):
+    t, raw, w, ref = prepared
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = ggml_cpu.linear(x, w)
+    assert y.dtype == dtype and y.shape == (m, N) and y.is_contiguous()
+    _close(y, x.float() @ ref.t(), 0.015)
+
+
+def test_dequantize_and_embedding(prepared):
+    t, raw, w, ref = prepared
+    dq = ggml_cpu.dequantize(w, torch.float32)
+    assert dq.shape == (N, K)
+    _close(dq, ref, 0.005)
+    ids = torch.tensor([0, 5, 63, 64, 99, 37, 5])
+    emb = ggml_cpu.embedding(w, ids, torch.float32)
+    torch.testing.assert_close(emb, dq[ids], rtol=0, atol=0)
+    assert ggml_cpu.embedding(w, ids).dtype == torch.bfloat16  # the prepared dtype
+
+
+def test_nbytes_is_quantized(prepared):
+    t, raw, w, ref = prepared
+    planes = {GgmlType.Q4_0: 1, GgmlType.Q4_1: 1, GgmlType.Q4_K: 1, GgmlType.Q2_K: 3}
+    if t in ggml_cpu.DENSE_TYPES:
+        assert w.planes == 0 and ggml_cpu.nbytes(w) == N * K * 2
+    else:
+        assert w.planes == planes.get(t, 2)
+        # P planes of 4 bits plus a bf16 (scale, zero) per 32, on N padded to 128 rows
+        # (+ GGUF's bytes on CPUs whose int4 packing is not the AVX-512 one)
+        kept = raw.numel() if w.raw is not None else 0
+        assert ggml_cpu.nbytes(w) == 128 * K * w.planes // 2 + 128 * K // 32 * w.planes * 4 + kept
+
+
+def test_large_m_dequantize_path_and_bias():
+    t = GgmlType.Q4_1
+    raw = _random_raw(t, N, K, seed=7)
+    w = ggml_cpu.prepare(raw, t, torch.float32)
+    ref = ref_dequantize(raw, t)
+    m = ggml_cpu.DEQUANT_MIN_M
+    x = torch.randn(m, K)
+    bias = torch.randn(N)
+    y = ggml_cpu.linear(x, w, bias)
+    assert y.shape == (m, N) and y.dtype == torch.float32
+    _close(y, x @ ref.t() + bias, 0.015)
+
+
+def test_dense_from_m_keeps_a_bf16_copy_for_batches():
+    t = GgmlType.Q8_0
+    raw = _random_raw(t, N, K, seed=3)
+    w = ggml_cpu.prepare(raw, t, torch.bfloat16, dense_from_m=8)
+    plain = ggml_cpu.prepare(raw, t, torch.bfloat16)
+    assert ggml_cpu.nbytes(w) == ggml_cpu.nbytes(plain) + N * K * 2  # the bf16 copy
+    ref = ref_dequantize(raw, t)
+    for m in (1, 8):  # the int4 kernel, then the copy
+        x = torch.randn(m, K, dtype=torch.bfloat16)
+        _close(ggml_cpu.linear(x, w), x.float() @ ref.t(), 0.015)
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    torch.testing.assert_close(ggml_cpu.linear(x, w), ggml_cpu.linear(x, plain), rtol=0, atol=0)
+
+
+def test_cpu_backend_wraps_the_module():
+    backend = ggml_cpu.CpuBackend()
+    assert backend.supports(GgmlType.Q4_1, torch.float32)
+    assert not backend.supports(GgmlType.IQ2_XXS, torch.float32)
+    raw = _random_raw(GgmlType.Q4_1, 64, 64)
+    w = backend.prepare(raw, GgmlType.Q4_1, torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(backend.linear(x, w), ggml_cpu.linear(x, w), rtol=0, atol=0)
+    ids = torch.tensor([3])
+    assert backend.embedding(w, ids, torch.float32).shape == (1, 64)
+
+
+def test_rejects_bad_input():
+    raw = _random_raw(GgmlType.Q4_0, 4, 64)
+    with pytest.raises(ValueError):
+        ggml_cpu.prepare(raw[:, :-1], GgmlType.Q4_0, torch.float32)  # not whole blocks
+    with pytest.raises(ValueError):
+        ggml_cpu.prepare(raw, GgmlType.F16, torch.float32)  # not a quantized type
+    w = ggml_cpu.prepare(raw, GgmlType.Q4_0, torch.float32)
+    with pytest.raises(ValueError):
+        ggml_cpu.linear(torch.randn(1, 32), w)
