@@ -1,0 +1,417 @@
+"""GGUF block-quantized weights on the GPU: kept in their blocks, multiplied by Triton.
+
+Called by the GGUF linear method (``quantization/gguf``: ``prepare`` at load, ``linear``
+in ``apply``, ``embedding`` for the token embedding); the plain-torch reference is
+``kernels/quant/reference.py`` (``dequantize``, ``ggml_linear_ref``) and the tests are
+tests/kernels/test_ggml_cuda.py (also under ``TRITON_INTERPRET=1`` on the CPU). Each rank
+prepares its own shard; a ``CudaGgmlWeight`` is owned by its layer and lives on that
+rank's device. Nothing else keeps state, except the dense scratch of the large-M path
+(``_scratch``: one buffer per device and dtype, reused call after call on one stream).
+
+Layout: ``prepare`` splits each GGUF row into per-field arrays (``ggml_pack.py``: quants
+as int32 words in a sub-block field-major order, fp16 block scales, unpacked sub-block
+scales), within 1.05x of the GGUF bytes. ``linear`` picks one of three paths by the
+number of rows M (``choose_path``):
+
+- ``gemv`` (M <= ``GEMV_MAX_M`` = 2): float32 FMA in registers, the weight streamed once
+  (``ggml_kernels.ggml_gemv_kernel``); batch-1 decode is a pure weight stream.
+- ``mm`` (up to 128 rows): weight tiles dequantized in registers into ``tl.dot``, K split
+  over several programs when the tiles alone leave SMs idle (a second kernel adds them).
+- ``dense`` (M >= ``DENSE_MIN_M`` = 129, prefill): the weight dequantized into a bf16 /
+  fp16 scratch, then cuBLAS.
+
+Measured on an H100 (tools/bench_ggml.py, docs/benchmarks/ggml-h100.json; 8B Llama
+shapes qkv / o_proj / gate_up / down; device-to-device copy 2967 GB/s): Q4_K at one row
+streams 1563 / 1575 / 2141 / 1763 GB/s of its blocks (0.53-0.72 of the copy rate, 0.63
+over the four); Q8_0 2262 / 2368 / 2882 / 2742; at 64 rows a Q4_K layer's four products
+take 210 us against bf16 cuBLAS' 175 (0.83x its throughput; tiles as planned here); at
+2048 rows (prefill) the dense path runs at 0.86-0.90x bf16.
+
+Numerics: float32 dequantization (one rounding of ``s * q + m``) and float32 accumulation;
+the ``mm`` and ``dense`` paths round the weight to x's dtype before the product (as a
+bf16 layer does), the ``gemv`` path does not; one rounding of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+
+from cvllm.kernels import pdl
+from cvllm.kernels.quant import ggml_kernels as gk
+from cvllm.kernels.quant.backend import GgmlBackend
+from cvllm.kernels.quant.ggml_pack import SPECS, PackSpec, repack
+from cvllm.kernels.quant.ggml_types import GgmlType, block_shape
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
+GEMV_MAX_M = 2
+"""Most rows the FMA GEMV takes; more go to the tensor-core kernel (the GEMV's FMAs grow
+with the rows, the tensor-core kernel decodes each weight element once for up to 16).
+H100, Q4_K at 2 rows: the GEMV 9.2 / 14.4 / 53.6 / 31.8 us for o_proj / qkv / gate_up /
+down against 17-22 / 87 / 52 us for the tensor-core kernel's best."""
+DENSE_MIN_M = 129
+"""Fewest rows that take the dequantize + cuBLAS path. H100 at 256 rows: dense 34 / 53 /
+227 / 124 us against the tensor-core kernel's best 43 / 72 / 246 / 191 us for Q4_K
+(o_proj / qkv / gate_up / down), likewise for Q6_K; Q8_0 within 15% either way. At 64 rows
+the tensor-core kernel wins by 1.3-2x; 128 was not measured (it decodes each weight once
+there, as at 64)."""
+MAX_K = 1 << 20
+_MAGIC = 0x4B000000
+"""The exponent bits of ``2**23``, passed as a run-time argument: a literal would let ptxas
+put it in LOP3's immediate slot and re-create the per-field mask before every LOP3."""
+
+
+def supports(t: GgmlType) -> bool:
+    """Whether ``t`` can be kept quantized on the GPU (every type of QUANTIZED_TYPES)."""
+    try:
+        return GgmlType(t) in SPECS
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)
+class CudaGgmlWeight:
+    """A ``[N, K]`` GGML weight in the split layout (``ggml_pack.py``). Built by
+    ``prepare``; owned by its layer; immutable (the fields are checked once, here, and
+    the kernel arguments kept). Absent fields are None."""
+
+    ggml_type: GgmlType
+    shape: Tuple[int, int]
+    lo: torch.Tensor
+    """int32 ``[N, K * LB / 32]``: the low bits of the quants, in element order."""
+    d: torch.Tensor
+    """fp16 ``[N, K / SUPER]``: block scales."""
+    hi: Optional[torch.Tensor] = None
+    dm: Optional[torch.Tensor] = None
+    sc: Optional[torch.Tensor] = None
+    mn: Optional[torch.Tensor] = None
+    args: tuple = field(init=False, repr=False)
+    """``(pointers, row strides)`` of the kernels (absent fields stand in as ``lo``)."""
+
+    def __post_init__(self) -> None:
+        _check_weight(self)
+        lo = self.lo
+        ptrs = [lo] + [v if v is not None else lo for v in
+                       (self.hi, self.d, self.dm, self.sc, self.mn)]
+        self.args = (ptrs, (lo.stride(0), self.shape[1] // self.spec.sb, self.d.stride(0)))
+
+    @property
+    def spec(self) -> PackSpec:
+        return SPECS[self.ggml_type]
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        names = ("lo", "d", "hi", "dm", "sc", "mn")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def prepare(raw: torch.Tensor, t: GgmlType) -> CudaGgmlWeight:
+    """``raw`` uint8 ``[N, K / B * S]`` (GGUF rows, any device) -> the split weight on
+    raw's device. The caller may free ``raw`` afterwards."""
+    if not supports(t):
+        raise ValueError(f"GGML type {t!r} has no GPU kernels here")
+    t = GgmlType(t)
+    elems, nbytes = block_shape(t)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % nbytes:
+        raise ValueError(f"raw must be uint8 [N, K/{elems}*{nbytes}] for {t.name}; got "
+                         f"{raw.dtype} {tuple(raw.shape)}")
+    n, k = raw.shape[0], raw.shape[1] // nbytes * elems
+    if k > MAX_K:
+        raise ValueError(f"K={k} exceeds {MAX_K}")
+    return CudaGgmlWeight(t, (n, k), **repack(raw.contiguous(), t))
+
+
+def _check_weight(w: CudaGgmlWeight) -> None:
+    """The fields agree with the type and shape (a wrong layout would read garbage)."""
+    if not supports(w.ggml_type):
+        raise ValueError(f"GGML type {w.ggml_type!r} has no GPU kernels here")
+    spec, (n, k) = w.spec, w.shape
+    want = {"lo": ((n, k * spec.lb // 32), (torch.int32,)),
+            "d": ((n, k // spec.superblock), (torch.float16,))}
+    if spec.hb:
+        want["hi"] = ((n, k // spec.sb), (torch.int16, torch.int32))
+    if spec.mode in (1, 3, 4):
+        want["dm"] = ((n, k // spec.superblock), (torch.float16,))
+    if spec.mode >= 2:
+        want["sc"] = ((n, k // spec.sb), (torch.int8, torch.uint8))
+    if spec.mode == 3:
+        want["mn"] = ((n, k // spec.sb), (torch.uint8,))
+    for name, (shape, dtypes) in want.items():
+        v = getattr(w, name)
+        if v is None or tuple(v.shape) != shape or v.dtype not in dtypes or not v.is_contiguous():
+            raise ValueError(f"{w.ggml_type.name} field {name} must be contiguous {shape} "
+                             f"{dtypes}; got {None if v is None else (tuple(v.shape), v.dtype)}")
+        if v.device != w.lo.device:
+            raise ValueError("all fields of a weight must be on one device")
+
+
+def _type_consts(spec: PackSpec) -> dict:
+    return dict(SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
+                OFF=spec.off, LUT=spec.lut)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sms(x: torch.Tensor) -> int:
+    return _num_sms(x.device.index or 0) if x.is_cuda else 1
+
+
+def _gemv_class(spec: PackSpec) -> str:
+    """The GEMV tiling class of a type: 4-bit plain (Q4_0, Q4_1, Q4_K), Q6_K, 4-bit with a
+    1-bit plane or the IQ4 value polynomial (Q5_*, IQ4_*: more registers and ALU work an
+    element), 8-bit (Q8_0), 2-bit (Q2_K, Q3_K)."""
+    if spec.lb == 4:
+        if spec.hb == 2:
+            return "q6"
+        return "q4" if spec.hb == 0 and not spec.lut else "q4h"
+    return "q8" if spec.lb == 8 else "q2"
+
+
+_GEMV_TILES = {  # class -> (BN at M = 1, BN at M = 2, BK, prefetch)
+    "q4": (8, 16, 4096, False), "q6": (8, 16, 2048, True), "q4h": (8, 4, 2048, True),
+    "q8": (8, 8, 2048, False), "q2": (8, 4, 2048, False),
+}
+"""The H100 sweep (tools/bench_ggml.py, 8B shapes; Triton 3.6): Q4_K's best at M = 1 was
+(8, 4096) at every shape and (16, 4096) at M = 2; Q6_K's (8, 2048) with the next K step
+prefetched (8-20% faster than one 4096 step), (16, 2048) at M = 2; Q8_0's (8, 2048) at
+M = 1 and 2. The others follow their class (checked only for register spills in the
+sm_90 compile: Q5_* and IQ4_* take BN 4 at M = 2, Q6_K's 16 spills for them; the 2-bit
+types spill past BN 8 at 4096-element steps)."""
+
+
+def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
+              ) -> Tuple[int, int, int, bool]:
+    """``(BN, BK, num_warps, prefetch)`` of the GEMV for ``m`` (1 or 2) rows of an ``[n, k]``
+    weight (``_GEMV_TILES``). K steps of 512 words for 4-bit quants, whose activation runs
+    are then wide enough that a thread holds whole sub-blocks (its scales are fetched once
+    per sub-block: the layout ``ggml_gemv_kernel`` asks its loads for); a ragged last step
+    is masked. The row block halves while the grid would leave SMs idle. Fixed by shape:
+    one summation order per shape."""
+    bn1, bn2, bk, prefetch = _GEMV_TILES[_gemv_class(spec)]
+    bn = bn2 if m >= 2 else bn1
+    bk = max(spec.sb, min(bk, triton.next_power_of_2(k)))
+    while bn > 1 and triton.cdiv(n, bn) < num_sms:
+        bn //= 2
+    return bn, bk, 4, prefetch and k > bk
+
+
+def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int
+            ) -> Tuple[int, int, int, int, int, int, int]:
+    """``(BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT)`` of the tensor-core kernel.
+    From the H100 sweep over the 8B shapes (Q4_K, Q6_K, Q8_0): up to 16 rows a 16-row
+    tile (mma.sync) 64 wide, K split 4 ways (best or within 5% at nearly every shape, even
+    at N = 28672; Q6_K's qkv 15% off); up to 32 rows the same with 32; up to 64 rows 64x64
+    with K split 4 ways while the tiles leave SMs idle, else 64x128 unsplit (gate_up);
+    more rows 128x64 (the best tensor-core tile at 256 rows; ``choose_path`` sends more
+    than 128 rows to the dense path anyway). A split keeps at least two K steps."""
+    if m <= 16:
+        bm, bn, bk, split = 16, 64, 256, 4
+    elif m <= 32:  # not measured: the 16-row tile's shape, a narrower K step for registers
+        bm, bn, bk, split = 32, 64, 128, 4
+    elif m <= 64:
+        bm, bk = 64, 128
+        # 64x128 for a wide N, but not for the 2-bit types (one word a sub-block): Triton
+        # 3.6's dot-operand pass crashes on their 128-wide tile (checked in the sm_90 compile)
+        bn = 128 if triton.cdiv(n, 128) >= num_sms and spec.lb != 2 else 64
+        split = 4 if triton.cdiv(n, bn) < num_sms else 1
+    else:
+        bm, bn, bk = 128, 64, 128
+        split = 4 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < num_sms else 1
+    bk = max(spec.sb, bk)
+    while split > 1 and k // (bk * split) < 2:
+        split //= 2
+    return bm, bn, bk, 4, 3, 8, split
+
+
+def _is_weight(w) -> None:
+    if not isinstance(w, CudaGgmlWeight):
+        raise ValueError(f"w must be a CudaGgmlWeight from prepare(); got {type(w).__name__}")
+
+
+def _check_inputs(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor]) -> None:
+    _is_weight(w)
+    n, k = w.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x [.., K] and the weight [N, K] = {w.shape} disagree: "
+                         f"{tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be one of {_DTYPES}; got {x.dtype}")
+    if x.device != w.lo.device:
+        raise ValueError(f"x is on {x.device}, the weight on {w.lo.device}")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}; got "
+                         f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
+
+
+def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
+    m, k = x2.shape
+    n = w.shape[0]
+    bn, bk, warps, prefetch = config or plan_gemv(m, n, k, w.spec, _sms(x2))
+    ptrs, strides = w.args
+    use_pdl = pdl.enabled(x2)
+    gk.ggml_gemv_kernel[(triton.cdiv(n, bn),)](
+        x2, y, bias if bias is not None else y, *ptrs, m, n, k, x2.stride(0), y.stride(0),
+        *strides, _MAGIC, **_type_consts(w.spec), BM=triton.next_power_of_2(m), BN=bn,
+        NSUB=bk // w.spec.sb, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        PREFETCH=prefetch, PDL=use_pdl, WARPS=warps, num_warps=warps, **pdl.launch_args(x2))
+
+
+def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
+    m, k = x2.shape
+    n = w.shape[0]
+    bm, bn, bk, warps, stages, group, split = config or plan_mm(m, n, k, w.spec, _sms(x2))
+    steps_per = triton.cdiv(triton.cdiv(k, split), bk)  # whole K steps a split
+    split = triton.cdiv(k, steps_per * bk)
+    ws = y
+    if split > 1:
+        ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device)  # [S, M, N]
+    ptrs, strides = w.args
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    gk.ggml_mm_kernel[grid](
+        x2, y, bias if bias is not None else y, ws, *ptrs, m, n, k, steps_per, x2.stride(0),
+        y.stride(0), *strides, _MAGIC, **_type_consts(w.spec), BM=bm, BN=bn,
+        NSUB=bk // w.spec.sb, GROUP_M=group, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        EVICT_FIRST=triton.cdiv(m, bm) == 1, SPLIT=split,
+        UPCAST=_INTERPRETED and x2.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    if split > 1:
+        block = 1024
+        gk.ggml_splitk_reduce[(triton.cdiv(m * n, block),)](
+            ws, y, bias if bias is not None else y, m, n, y.stride(0), SPLIT=split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+
+
+def choose_path(m: int) -> str:
+    """``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows (see the module docstring)."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    return "mm" if m < DENSE_MIN_M else "dense"
+
+
+def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = None, *,
+           path: Optional[str] = None, config: Optional[tuple] = None) -> torch.Tensor:
+    """``x [.., K]`` (bf16 / fp16) -> ``x @ W^T (+ bias)`` ``[.., N]`` in x's dtype; any
+    number of rows. ``path`` / ``config`` override ``choose_path`` and the tile plans (the
+    benchmark's sweep); ``gemv`` takes at most 16 rows."""
+    _check_inputs(x, w, bias)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if m and n:
+        if bias is not None and bias.stride(0) != 1:
+            bias = bias.contiguous()
+        path = path or choose_path(m)
+        if path == "gemv":
+            if m > 16:
+                raise ValueError(f"the gemv path takes at most 16 rows; got {m}")
+            _launch_gemv(x2, w, bias, y, config)
+        elif path == "mm":
+            _launch_mm(x2, w, bias, y, config)
+        elif path == "dense":
+            dense = dequantize(w, x.dtype, out=_scratch(n * k, x.dtype, x.device))
+            torch.matmul(x2, dense.t(), out=y)
+            if bias is not None:
+                y += bias
+        else:
+            raise ValueError(f"unknown path {path!r}")
+    return y.reshape(x.shape[:-1] + (n,))
+
+
+_SCRATCH: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` for the dense path: one per (device, dtype),
+    grown to the largest weight seen (stream-ordered reuse); a fresh one while a CUDA
+    graph is being captured."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _launch_dequant(w: CudaGgmlWeight, out: torch.Tensor, ids: Optional[torch.Tensor]) -> None:
+    rows = out.shape[0]
+    n, k = w.shape
+    bk = max(w.spec.sb, min(triton.next_power_of_2(k), 512))
+    bn = max(1, 4096 // bk)
+    ptrs, strides = w.args
+    grid = (triton.cdiv(rows, bn), triton.cdiv(k, bk))
+    gk.ggml_dequant_kernel[grid](
+        out, ids if ids is not None else out, *ptrs, rows, n, k, out.stride(0), *strides,
+        _MAGIC, **_type_consts(w.spec), BN=bn, NSUB=bk // w.spec.sb, HAS_IDS=ids is not None,
+        EVEN_K=k % bk == 0, num_warps=4)
+
+
+def dequantize(w: CudaGgmlWeight, dtype: torch.dtype = torch.bfloat16,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dense weight ``[N, K]`` in ``dtype`` (float32 arithmetic, one rounding);
+    ``out`` (a flat buffer of at least N*K) to write into."""
+    _is_weight(w)
+    if dtype not in _DTYPES + (torch.float32,):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32; got {dtype}")
+    n, k = w.shape
+    if out is None:
+        out = torch.empty(n * k, dtype=dtype, device=w.lo.device)
+    dense = out[:n * k].view(n, k)  # [N, K]
+    if n and k:
+        _launch_dequant(w, dense, None)
+    return dense
+
+
+def embedding(w: CudaGgmlWeight, ids: torch.Tensor,
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``ids [..]`` of the dequantized weight -> ``[.., K]`` in ``dtype`` (the token
+    embedding). Ids must be in ``[0, N)``: checked on the CPU; on the GPU (no host sync)
+    an id out of range reads the nearest row."""
+    _is_weight(w)
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device != w.lo.device:
+        raise ValueError(f"ids must be int32/int64 on {w.lo.device}; got {ids.dtype} "
+                         f"on {ids.device}")
+    if dtype not in _DTYPES + (torch.float32,):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32; got {dtype}")
+    n, k = w.shape
+    flat = ids.reshape(-1).contiguous()  # [T]
+    if not flat.is_cuda and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise ValueError(f"ids out of range [0, {n})")
+    out = torch.empty(flat.numel(), k, dtype=dtype, device=w.lo.device)  # [T, K]
+    if flat.numel() and k:
+        _launch_dequant(w, out, flat)
+    return out.reshape(ids.shape + (k,))
+
+
+class CudaBackend(GgmlBackend):
+    """``backend.GgmlBackend`` over this module's functions (bf16 / fp16 activations)."""
+
+    name = "triton"
+
+    def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
+        return supports(t) and dtype in _DTYPES
+
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> CudaGgmlWeight:
+        return prepare(raw, t)
+
+    def linear(self, x: torch.Tensor, w: CudaGgmlWeight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear(x, w, bias)
+
+    def embedding(self, w: CudaGgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return embedding(w, ids, dtype)

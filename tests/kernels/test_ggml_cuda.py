@@ -1,0 +1,279 @@
+"""GGUF block-quantized linears on the GPU (``kernels/quant/ggml_cuda.py``) against the
+reference: the blocks dequantized (``kernels/quant/reference.dequantize`` when present,
+else ``gguf.quants.dequantize``) and multiplied in float32/float64.
+
+On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, in a fresh
+subprocess) with small shapes for every type and every path (the FMA GEMV at 1 and 2
+rows, the tensor-core kernel with and without split K, the dequantize + matmul path,
+dequantize, embedding); the layout itself (``ggml_pack``) and the wrappers' input checks
+run without Triton. On a CUDA machine the ``gpu`` tests run the compiled kernels at the
+8B Llama shapes.
+
+Tolerances (relative to the output's RMS; float32 accumulation throughout): the GEMV keeps
+the weights in float32, so its error is the output's rounding (bf16: 2**-9 relative);
+the tensor-core and dense paths also round each weight to x's dtype, which adds about
+2**-9 of the output's RMS (random-walk over K); 2e-2 of the RMS covers both with margin
+for float32 summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cvllm.kernels.quant.ggml_types import QUANTIZED_TYPES, GgmlType, block_shape
+from tests.interpreted import run_interpreted
+
+CUDA = torch.cuda.is_available()
+TYPES = sorted(QUANTIZED_TYPES)
+
+_F16_FIELDS = {  # byte offsets of each type's fp16 scale fields in its block
+    GgmlType.Q4_0: (0,), GgmlType.Q4_1: (0, 2), GgmlType.Q5_0: (0,), GgmlType.Q5_1: (0, 2),
+    GgmlType.Q8_0: (0,), GgmlType.IQ4_NL: (0,), GgmlType.Q2_K: (80, 82),
+    GgmlType.Q3_K: (108,), GgmlType.Q4_K: (0, 2), GgmlType.Q5_K: (0, 2),
+    GgmlType.Q6_K: (208,), GgmlType.IQ4_XS: (0,),
+}
+_GGUF_QUANTIZE = (GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q8_0)
+
+
+def random_raw(t: GgmlType, n: int, k: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """uint8 ``[n, k / B * S]``: gguf-quantized Gaussian weights where gguf can quantize
+    the type (small shapes), else random bytes with random fp16 scales in a sane range
+    (the kernels must decode any bit pattern)."""
+    elems, nbytes = block_shape(t)
+    if t in _GGUF_QUANTIZE and n * k <= 1 << 16 and str(device) == "cpu":
+        import gguf
+
+        w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
+        return torch.from_numpy(raw).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // elems, nbytes), generator=g, dtype=torch.uint8,
+                        device=device)  # [n, nb, S]
+    for off in _F16_FIELDS[t]:
+        scale = torch.rand(n, k // elems, generator=g, device=device) * 0.01 + 0.001
+        raw[..., off:off + 2] = scale.to(torch.float16).view(torch.uint8).view(n, -1, 2)
+    return raw.reshape(n, -1)
+
+
+def oracle(raw: torch.Tensor, t: GgmlType) -> torch.Tensor:
+    """The reference dequantization ``[N, K]`` float32 on raw's device."""
+    try:
+        from cvllm.kernels.quant.reference import dequantize
+    except ImportError:
+        import gguf
+
+        out = gguf.quants.dequantize(raw.cpu().numpy(), gguf.GGMLQuantizationType(int(t)))
+        return torch.from_numpy(np.ascontiguousarray(out)).to(raw.device)
+    return dequantize(raw, t, torch.float32)
+
+
+def assert_close_rms(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Every element within ``tol`` of want's RMS plus the output dtype's rounding of it
+    (half an ulp: 2**-9 relative in bf16, 2**-11 in fp16), none unwritten (NaN); and the
+    relative L2 error under ``tol / 2``."""
+    ulp = 2.0 ** -8 if got.dtype == torch.bfloat16 else 2.0 ** -10
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.isfinite(got).all(), "non-finite output (an unwritten element?)"
+    rms = want.pow(2).mean().sqrt().item() or 1.0
+    err = ((got - want).abs() - ulp * want.abs()).max().item()
+    assert err <= tol * rms, f"max error {err:.3g} (past rounding) > {tol} x RMS {rms:.3g}"
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= tol / 2, f"relative L2 error {rel:.3g} > {tol / 2}"
+
+
+def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
+                 dtype=torch.float16, device="cpu", bias=False, raw=None, want_w=None):
+    """``linear`` on ``m`` rows against the float64 product with the oracle's weights."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    raw = random_raw(t, n, k, seed=n + k + m, device=device) if raw is None else raw
+    w = gc.prepare(raw, t)
+    want_w = oracle(raw, t) if want_w is None else want_w  # [N, K]
+    g = torch.Generator(device=device).manual_seed(m)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    b = (torch.randn(n, generator=g, device=device) * 0.1).to(dtype) if bias else None
+    y = gc.linear(x, w, b, path=path, config=config)
+    want = x.double() @ want_w.double().T + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_close_rms(y, want, 2e-2)
+    return w, want_w
+
+
+def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
+    """Every path of one type at small, ragged shapes (N not a multiple of the row block)."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    n, k = 40, 512
+    raw = random_raw(t, n, k, device=device)
+    want_w = oracle(raw, t)
+    w = gc.prepare(raw, t)
+    assert w.nbytes() <= 1.05 * raw.numel(), "the split layout exceeds 1.05x the blocks"
+    torch.testing.assert_close(gc.dequantize(w, torch.float32), want_w, rtol=1e-6,
+                               atol=1e-6 * want_w.abs().max().item())
+    ids = torch.tensor([3, 0, n - 1, 3], device=device)
+    torch.testing.assert_close(gc.embedding(w, ids, torch.float32), want_w[ids], rtol=1e-6,
+                               atol=1e-6 * want_w.abs().max().item())
+    common = dict(raw=raw, want_w=want_w, dtype=dtype, device=device)
+    check_linear(t, n, k, 1, path="gemv", bias=True, **common)
+    check_linear(t, n, k, 2, path="gemv", **common)
+    check_linear(t, n, k, 1, path="gemv", config=(4, 256, 2, True), **common)  # 2 K steps
+    check_linear(t, n, k, 3, path="mm", bias=True, **common)
+    check_linear(t, n, k, 17, path="mm", config=(32, 32, 256, 4, 2, 8, 2), **common)
+    check_linear(t, n, k, 5, path="dense", bias=True, **common)
+
+
+def run_cpu_cases() -> None:
+    """Entry point of the interpreter subprocess: every type, every path."""
+    for t in TYPES:
+        check_type(t)
+    check_type(GgmlType.Q4_K, dtype=torch.bfloat16)
+    # K not a whole number of tiles: masked K steps in every kernel.
+    raw = random_raw(GgmlType.Q6_K, 24, 768)
+    for m, path, cfg in [(1, "gemv", (8, 512, 4, False)), (1, "gemv", (8, 512, 4, True)),
+                         (9, "mm", (16, 16, 512, 4, 2, 8, 1))]:
+        check_linear(GgmlType.Q6_K, 24, 768, m, path, cfg, raw=raw)
+    # plan-driven dispatch and a 3-D input
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    w = gc.prepare(raw, GgmlType.Q6_K)
+    x = torch.randn(2, 3, 768).half()
+    want = x.double() @ oracle(raw, GgmlType.Q6_K).double().T
+    assert_close_rms(gc.linear(x, w), want, 2e-2)
+
+
+def test_kernels_interpreted_on_cpu():
+    code = "from tests.kernels.test_ggml_cuda import run_cpu_cases; run_cpu_cases()"
+    run_interpreted(code)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_split_layout_decodes_to_the_reference(t):
+    """``ggml_pack.repack`` loses nothing: its plain-torch decoding equals the oracle."""
+    from cvllm.kernels.quant import ggml_pack
+
+    raw = random_raw(t, 6, 768, seed=int(t))
+    fields = ggml_pack.repack(raw, t)
+    torch.testing.assert_close(ggml_pack.unpack_ref(fields, t), oracle(raw, t), rtol=0, atol=0)
+    assert sum(v.numel() * v.element_size() for v in fields.values()) <= 1.05 * raw.numel()
+
+
+def test_supports_every_quantized_type():
+    from cvllm.kernels.quant.ggml_cuda import supports
+
+    assert all(supports(t) for t in QUANTIZED_TYPES)
+    assert not supports(GgmlType.F16) and not supports(GgmlType.IQ2_XXS)
+
+
+def test_wrappers_reject_bad_inputs():
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    raw = random_raw(GgmlType.Q4_K, 8, 256)
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        gc.prepare(raw, GgmlType.IQ2_XXS)
+    with pytest.raises(ValueError, match="uint8"):
+        gc.prepare(raw[:, :100], GgmlType.Q4_K)
+    with pytest.raises(ValueError, match="uint8"):
+        gc.prepare(raw.to(torch.int8), GgmlType.Q4_K)
+    w = gc.prepare(raw, GgmlType.Q4_K)
+    x = torch.randn(2, 256).half()
+    with pytest.raises(ValueError, match="disagree"):
+        gc.linear(x[:, :128], w)
+    with pytest.raises(ValueError, match="must be one of"):
+        gc.linear(x.float(), w)
+    with pytest.raises(ValueError, match="bias"):
+        gc.linear(x, w, torch.zeros(7, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias"):
+        gc.linear(x, w, torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unknown path"):
+        gc.linear(x, w, path="fast")
+    with pytest.raises(ValueError, match="at most 16"):
+        gc.linear(torch.randn(17, 256).half(), w, path="gemv")
+    with pytest.raises(ValueError, match="field lo"):
+        gc.linear(x, gc.CudaGgmlWeight(w.ggml_type, w.shape, w.lo[:, :8].contiguous(), w.d,
+                                       dm=w.dm, sc=w.sc, mn=w.mn))
+    with pytest.raises(ValueError, match="dtype"):
+        gc.dequantize(w, torch.int32)
+    with pytest.raises(ValueError, match="ids"):
+        gc.embedding(w, torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="out of range"):
+        gc.embedding(w, torch.tensor([8]))
+
+
+def test_plans_cover_the_sms_and_split_small_grids():
+    from cvllm.kernels.quant.ggml_cuda import choose_path, plan_gemv, plan_mm
+    from cvllm.kernels.quant.ggml_pack import SPECS
+
+    for t in TYPES:
+        spec = SPECS[t]
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (64, 512)]:
+            for m in (1, 2):
+                bn, bk, warps, _ = plan_gemv(m, n, k, spec, 132)
+                assert bn & (bn - 1) == 0 and bk % spec.sb == 0 and bk & (bk - 1) == 0
+                assert -(-n // bn) >= 132 or bn == 1
+            for m in (3, 16, 64, 128, 700):
+                bm, bn, bk, warps, stages, group, split = plan_mm(m, n, k, spec, 132)
+                assert bk % spec.sb == 0 and split in (1, 2, 4)
+                assert split == 1 or k // (bk * split) >= 2
+    # The H100 sweep's choices (tools/bench_ggml.py).
+    assert plan_gemv(1, 4096, 4096, SPECS[GgmlType.Q4_K], 132) == (8, 4096, 4, False)
+    assert plan_gemv(2, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[0] == 16
+    assert plan_gemv(1, 6144, 4096, SPECS[GgmlType.Q6_K], 132) == (8, 2048, 4, True)
+    assert plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[:3] + (
+        plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[-1],) == (16, 64, 256, 4)
+    assert plan_mm(64, 28672, 4096, SPECS[GgmlType.Q4_K], 132)[1::5] == (128, 1)
+    assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
+        "dense"]
+
+
+# ----- GPU: compiled, model-sized ---------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+GPU_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (1000, 4352)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_every_path_gpu(t):
+    """Every path of every type compiled, at small ragged shapes and one 8B shape with the
+    planned tiles, bf16; dequantize and embedding exact."""
+    check_type(t, device="cuda", dtype=torch.bfloat16)
+    n, k = 4096, 4096
+    raw = random_raw(t, n, k, device="cuda")
+    want_w = oracle(raw, t)
+    for m in (1, 2, 5, 64, 300, 1100):
+        check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda",
+                     bias=(m == 5))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t,n,k", [(GgmlType.Q4_K, n, k) for n, k in GPU_SHAPES]
+                         + [(GgmlType.Q6_K, 1000, 4352), (GgmlType.Q8_0, 1000, 4352)],
+                         ids=lambda v: v.name if isinstance(v, GgmlType) else str(v))
+def test_8b_shapes_gpu(t, n, k):
+    raw = random_raw(t, n, k, device="cuda")
+    want_w = oracle(raw, t)
+    for m in (1, 16, 64, 2048):
+        check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gemv_is_deterministic_and_graph_safe():
+    """Same inputs, same bits, in eager mode and replayed from a CUDA graph (PDL on)."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    raw = random_raw(GgmlType.Q4_K, 4096, 4096, device="cuda")
+    w = gc.prepare(raw, GgmlType.Q4_K)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    first = gc.linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gc.linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, gc.linear(x, w)) and torch.equal(first, out)
