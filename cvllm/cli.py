@@ -48,6 +48,12 @@ def _model_options(f: Callable) -> Callable:
                      help="Context length (default: the model's own)."),
         click.option("--prefill-chunk-size", type=int, default=8192, show_default=True,
                      help="Most prompt tokens per sequence per step; 0 disables chunking."),
+        click.option("--isq", default=None,
+                     help="Quantize a Hugging Face folder's float weights while loading: "
+                          "q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k or q6k."),
+        click.option("--dequantize", is_flag=True,
+                     help="Dequantize a GGUF file's weights to --dtype at load instead of "
+                          "keeping them quantized (comparisons; more memory, slower)."),
         click.option("--fp8-kvcache", is_flag=True,
                      help="Keep attention K/V in FP8 e4m3 with per-layer scales: half the "
                           "KV memory of bf16."),
@@ -130,6 +136,7 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
         yarn_scaling_factor=kw.get("yarn_scaling_factor"),
         disable_cuda_graph=kw.get("disable_cuda_graph", False),
         fp8_kvcache=kw.get("fp8_kvcache", False),
+        isq=kw.get("isq"), dequantize=kw.get("dequantize", False),
         attention_backend=kw.get("attention_backend") or "auto",
         sampling_overrides={k: kw.get(k) for k in DEFAULTABLE_SAMPLING_KEYS},
     )

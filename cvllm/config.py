@@ -148,6 +148,30 @@ class DeviceConfig:
             raise ConfigError(f"--device-ids must be non-negative integers, got {self.device_ids}")
 
 
+QUANT_SCHEMES = ("none", "gguf", "isq")
+
+
+@dataclass
+class QuantConfig:
+    """Which weights stay quantized, as plain data (the same on every rank); the worker
+    turns it into a ``quantization.QuantizationConfig`` for the model constructor."""
+
+    scheme: str = "none"
+    """``none`` (float weights), ``gguf`` (a GGUF file's blocks kept as they are) or
+    ``isq`` (float weights quantized while loading, ``--isq``)."""
+    tensor_types: Dict[str, int] = field(default_factory=dict)
+    """``gguf``: GGML type id of each checkpoint tensor, by its HF name."""
+    isq: Optional[str] = None
+    """``isq``: the ``--isq`` type name (``q4k``, ``q8_0``, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANT_SCHEMES:
+            raise ConfigError(f"quantization scheme must be one of {', '.join(QUANT_SCHEMES)}, "
+                              f"got {self.scheme!r}")
+        if (self.scheme == "isq") != (self.isq is not None):
+            raise ConfigError("an isq type goes with the isq scheme only")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -170,6 +194,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, the torch reference on the CPU), ``triton`` or
     ``torch_ref`` (``--attention-backend``; ``attention/backend.py``)."""
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    """Weight quantization (GGUF blocks kept, or ``--isq``)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

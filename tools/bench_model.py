@@ -141,7 +141,34 @@ def model_costs(model: Any, cfg: Dict[str, Any]) -> Dict[str, int]:
             out["weight_bytes_per_step"] += nbytes
         if p.dim() >= 2 and not embed and "lm_head" not in name.split("."):
             out["matmul_params"] += n
+    _add_quantized(model, out)
     return out
+
+
+def _add_quantized(model: Any, out: Dict[str, int]) -> None:
+    """Weights held by quantization methods (``--isq``, GGUF): their device bytes, and
+    their logical sizes as parameters (a tied embedding's method counts once, as the
+    head a step reads)."""
+    from cvllm.quantization.base import MoEMethodBase
+
+    seen = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or id(method) in seen:
+            continue
+        seen.add(id(method))
+        nbytes = (method.weight_nbytes(module) if isinstance(method, MoEMethodBase)
+                  else method.weight_nbytes())
+        if not nbytes:
+            continue
+        out["param_bytes"] += nbytes
+        embed = _is_embedding(name)
+        if not embed or getattr(model, "tie_word_embeddings", False):
+            out["weight_bytes_per_step"] += nbytes
+        size = getattr(module, "input_size", 0) * getattr(module, "output_size", 0)
+        if size and "lm_head" not in name.split("."):
+            out["matmul_params"] += size
+            out["params"] += size
 
 
 def kv_bytes_per_token_from_config(cfg: Dict[str, Any], dtype_bytes: int) -> int:

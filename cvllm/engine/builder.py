@@ -21,6 +21,7 @@ from cvllm.config import (
     ConfigError,
     DeviceConfig,
     EngineConfig,
+    QuantConfig,
     SchedulerConfig,
 )
 from cvllm.engine.llm_engine import LLMEngine
@@ -115,6 +116,7 @@ def build_engine_config(
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
     disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
+    isq: Optional[str] = None, dequantize: bool = False,
     *, tp_size: int = 1, device: Optional[DeviceConfig] = None,
 ) -> EngineSetup:
     """Check every option and read the model's config (no weights): the same on every
@@ -160,9 +162,39 @@ def build_engine_config(
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
         served_model_name=served_model_name or _default_name(source),
         defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
-        attention_backend=attention_backend,
+        attention_backend=attention_backend, quant=_quant_config(source, isq, dequantize),
     )
     return EngineSetup(config, source, defaults)
+
+
+def _quant_config(source, isq: Optional[str], dequantize: bool) -> QuantConfig:
+    """Which weights stay quantized: a GGUF file's blocks (unless ``--dequantize``), or
+    ``--isq`` on a Hugging Face folder. Types without kernels are dequantized at load, with
+    one warning per type."""
+    from cvllm import loader
+    from cvllm.kernels.quant.ggml_types import FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, parse_isq
+
+    if isq is not None:
+        if source.kind == "gguf":
+            raise ConfigError(f"--isq quantizes the float weights of a Hugging Face folder; "
+                              f"{source.path} is a GGUF file, already quantized (drop --isq)")
+        try:
+            parse_isq(isq)
+        except ValueError as e:
+            raise ConfigError(f"--isq: {e}") from None
+        return QuantConfig(scheme="isq", isq=isq)
+    if source.kind != "gguf" or dequantize:
+        return QuantConfig()
+    types = loader.gguf_tensor_types(source.path)
+    slow: Dict[str, int] = {}
+    for t in types.values():
+        if t not in QUANTIZED_TYPES and t not in FLOAT_TYPES:
+            name = GgmlType(t).name if t in GgmlType._value2member_map_ else str(t)
+            slow[name] = slow.get(name, 0) + 1
+    for name, n in sorted(slow.items()):
+        logger.warning("%d tensor(s) of type %s: cvllm has no kernels for it, so they are "
+                       "dequantized to the model dtype at load", n, name)
+    return QuantConfig(scheme="gguf", tensor_types=types)
 
 
 def build_llm_engine(*, rank: int = 0, tp_size: int = 1, device: Optional[DeviceConfig] = None,

@@ -24,8 +24,9 @@ from cvllm.distributed.comm import (
     tensor_model_parallel_all_reduce,
 )
 from cvllm.layers.utils import copy_checked, divide
-from cvllm.quantization.base import set_weight_attrs
-from cvllm.quantization.unquantized import UnquantizedLinearMethod
+from cvllm.quantization.base import EmbeddingMethodBase, QuantizationConfig, set_weight_attrs
+from cvllm.quantization.packed import weight_view
+from cvllm.quantization.unquantized import UnquantizedEmbeddingMethod
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -42,6 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         params_dtype: Optional[torch.dtype] = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: Optional[QuantizationConfig] = None,
     ):
         super().__init__()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -55,11 +57,14 @@ class VocabParallelEmbedding(nn.Module):
             self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings
         )
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(
-            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
-            requires_grad=False,
-        )  # [V_per_partition, hidden]
-        set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+        self.params_dtype = dtype
+        method = None
+        if quant_config is not None:
+            method = quant_config.get_embedding_method(
+                self, prefix, is_lm_head=isinstance(self, ParallelLMHead))
+        self.quant_method: EmbeddingMethodBase = method or UnquantizedEmbeddingMethod()
+        self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim,
+                                         dtype, weight_loader=self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -70,16 +75,25 @@ class VocabParallelEmbedding(nn.Module):
                 f"vs config vocab_size {self.num_embeddings}"
             )
         n = max(self.vocab_end_index - self.vocab_start_index, 0)
+        dst = weight_view(param)
+        if dst.dim() == 1:  # a bias
+            if n:
+                copy_checked(dst[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
+            dst[n:].zero_()
+            return
+        rows = dst.shape[0]
         if n:  # narrow first: a lazy checkpoint tensor reads only this rank's rows
-            copy_checked(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
-        param.data[n:].zero_()
+            copy_checked(dst.narrow(0, 0, n), loaded_weight.narrow(0, self.vocab_start_index, n))
+        if rows > n:
+            dst.narrow(0, n, rows - n).zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # [T, hidden]
+            return self.quant_method.embedding(self, input_ids)  # [T, hidden]
         mine = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)  # [T]
         local = (input_ids - self.vocab_start_index) * mine
-        out = F.embedding(local, self.weight).masked_fill_(~mine.unsqueeze(-1), 0)  # [T, hidden]
+        out = self.quant_method.embedding(self, local).masked_fill_(
+            ~mine.unsqueeze(-1), 0)  # [T, hidden]
         return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
@@ -101,12 +115,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         params_dtype: Optional[torch.dtype] = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: Optional[QuantizationConfig] = None,
     ):
-        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix)
-        self.quant_method = UnquantizedLinearMethod()
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix,
+                         quant_config)
         if bias:
             self.bias = nn.Parameter(
-                torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                torch.empty(self.num_embeddings_per_partition, dtype=self.params_dtype),
                 requires_grad=False,
             )  # [V_per_partition]
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
@@ -114,8 +129,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
-        """Share the embedding's parameter (tie_word_embeddings)."""
+        """Share the embedding's parameter and method (tie_word_embeddings): a quantized
+        embedding's prepared rows serve as the head's weight too."""
         self.weight = embed_tokens.weight
+        self.quant_method = embed_tokens.quant_method
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

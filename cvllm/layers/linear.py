@@ -36,6 +36,7 @@ from cvllm.layers.utils import (
     balanced_range, consecutive_runs, copy_checked, divide, split_sizes,
 )
 from cvllm.quantization.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from cvllm.quantization.packed import check_input_split, weight_view
 from cvllm.quantization.unquantized import UnquantizedLinearMethod
 
 
@@ -62,12 +63,23 @@ class LinearBase(nn.Module):
         self.prefix = prefix
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        method = None
+        if quant_config is not None and self.quantizable:
+            method = quant_config.get_quant_method(self, prefix)
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+
+    quantizable = True
+    """False for a layer whose loader rearranges its weight beyond the parallel layers'
+    row / column slices (MLA's kv_b): it stays unquantized (a GGUF tensor is dequantized)."""
+
+    def _check_granularity(self, in_per_partition: int, piece: Optional[int] = None) -> None:
+        check_input_split(self.prefix, self.input_size, self.tp_size, in_per_partition,
+                          self.quant_method.input_granularity(), piece)
 
     def _create(
         self, in_per_partition: int, out_partition_sizes: List[int], bias: bool, bias_size: int
     ) -> None:
+        self._check_granularity(in_per_partition)
         self.quant_method.create_weights(
             self,
             in_per_partition,
@@ -112,7 +124,7 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
     ) -> None:
-        copy_checked(param.data, loaded_weight)
+        copy_checked(weight_view(param), loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -145,7 +157,7 @@ class ColumnParallelLinear(LinearBase):
         output_dim = getattr(param, "output_dim", None)
         if output_dim is not None:
             loaded_weight = shard_of(loaded_weight, output_dim, self.tp_rank, self.tp_size)
-        copy_checked(param.data, loaded_weight)
+        copy_checked(weight_view(param), loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)  # [.., out / tp]
@@ -182,7 +194,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:
-            copy_checked(param.data, loaded_weight)
+            copy_checked(weight_view(param), loaded_weight)
             return
         if shard_id is None:  # a pre-fused checkpoint tensor: split it and load each part
             for i, part in enumerate(split_sizes(loaded_weight, self.output_sizes, output_dim)):
@@ -194,7 +206,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shape mismatch: shard {shard_id} tensor "
                              f"{tuple(loaded_weight.shape)} has not {self.output_sizes[shard_id]} "
                              f"rows in dim {output_dim}")
-        dst = param.data.narrow(output_dim, offset, size)
+        dst = weight_view(param).narrow(output_dim, offset, size)
         copy_checked(dst, loaded_weight.narrow(output_dim, self.tp_rank * size, size))
 
 
@@ -311,7 +323,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:
-            copy_checked(param.data, loaded_weight)
+            copy_checked(weight_view(param), loaded_weight)
             return
         D = self.head_size
         if shard_id is None:  # a pre-fused checkpoint qkv tensor
@@ -326,7 +338,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             if loaded_weight.shape[output_dim] != self.total_num_heads * rows:
                 raise ValueError(f"shape mismatch: q tensor {tuple(loaded_weight.shape)} has "
                                  f"not {self.total_num_heads} heads of {rows} rows")
-            self._copy_heads(param.data, loaded_weight, output_dim, 0, self.q_head_ids, rows)
+            self._copy_heads(weight_view(param), loaded_weight, output_dim, 0, self.q_head_ids,
+                             rows)
             return
         if shard_id not in ("k", "v"):
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
@@ -334,7 +347,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shape mismatch: {shard_id} tensor {tuple(loaded_weight.shape)} "
                              f"has not {self.total_num_kv_heads} heads of {D}")
         base = q if shard_id == "k" else q + self.num_kv_heads * D
-        self._copy_heads(param.data, loaded_weight, output_dim, base, self.kv_head_ids, D)
+        self._copy_heads(weight_view(param), loaded_weight, output_dim, base, self.kv_head_ids, D)
 
 
 class RowParallelLinear(LinearBase):
@@ -366,9 +379,7 @@ class RowParallelLinear(LinearBase):
         else:
             if not input_is_parallel:
                 raise ValueError("input_blocks needs input_is_parallel=True")
-            if not isinstance(self.quant_method, UnquantizedLinearMethod):
-                raise ValueError(f"{prefix}: an uneven input split is only for unquantized "
-                                 "weights")
+            self._check_granularity(len(self.input_blocks) * block_size, block_size)
             self.input_size_per_partition = len(self.input_blocks) * block_size
         self._create(self.input_size_per_partition, [output_size], bias, output_size)
 
@@ -377,18 +388,18 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         input_dim = getattr(param, "input_dim", None)
         if input_dim is None:
-            copy_checked(param.data, loaded_weight)
+            copy_checked(weight_view(param), loaded_weight)
         elif self.input_blocks is None:
-            copy_checked(param.data, shard_of(loaded_weight, input_dim, self.tp_rank,
+            copy_checked(weight_view(param), shard_of(loaded_weight, input_dim, self.tp_rank,
                                               self.tp_size))
         else:
             if loaded_weight.shape[input_dim] != self.input_size:
                 raise ValueError(f"shape mismatch: {tuple(loaded_weight.shape)} has not "
                                  f"{self.input_size} input features in dim {input_dim}")
-            param.data.zero_()  # padding blocks add nothing
+            weight_view(param).zero_()  # padding blocks add nothing
             bs = self.block_size
             for local, block, count in consecutive_runs(self.input_blocks):
-                copy_checked(param.data.narrow(input_dim, local * bs, count * bs),
+                copy_checked(weight_view(param).narrow(input_dim, local * bs, count * bs),
                              loaded_weight.narrow(input_dim, block * bs, count * bs))
 
     push_partial = False
@@ -409,12 +420,9 @@ class RowParallelLinear(LinearBase):
         sink = None
         if self.push_partial and not self.reduce_results and bias is None:
             sink = custom_path()
-        fused = getattr(self.quant_method, "apply_fused", None)
-        if fused is not None and (act_fn is not None or sink is not None):
-            y = fused(self, x, bias, act_fn, sink)  # [.., out] partial sum
+        if act_fn is not None or sink is not None:
+            y = self.quant_method.apply_fused(self, x, bias, act_fn, sink)  # [.., out] partial
         else:
-            if act_fn is not None:
-                x = act_fn(x)  # [.., I]
             y = self.quant_method.apply(self, x, bias)  # [.., out] partial sum
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)

@@ -60,6 +60,8 @@ class KVBParallelLinear(ColumnParallelLinear):
     loads llama.cpp's split pair (``shard_id``): ``k_b`` ``[H, R, Dn]`` (transposed, as its
     converter writes ``attn_k_b``) and ``v_b`` ``[H, Dv, R]`` (``attn_v_b``)."""
 
+    quantizable = False  # its loader splits and transposes llama.cpp's k_b / v_b
+
     def __init__(
         self,
         kv_lora_rank: int,

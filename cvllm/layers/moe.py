@@ -9,9 +9,11 @@ routing to ``FusedMoE.forward``. ``FusedMoE`` holds this rank's slice of every e
 ``weight_loader`` cuts the slice out of each checkpoint tensor (DESIGN rule 6), and its
 forward ends with the TP all-reduce, like ``RowParallelLinear``.
 
-There is one compute path: tokens sorted by expert, one grouped matmul per expert over
-only the tokens routed to it -- the Triton kernel ``kernels/fused_moe.py`` on CUDA, its
-torch reference ``kernels/reference.fused_moe_ref`` elsewhere.
+The experts' storage and math belong to a ``MoEMethodBase`` from the quantization config
+(``quantization/``): plain weights take one path, tokens sorted by expert and one grouped
+matmul per expert over only the tokens routed to it (the Triton kernel
+``kernels/fused_moe.py`` on CUDA, its torch reference elsewhere); GGUF experts keep their
+blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from torch import nn
 
 from cvllm.distributed import parallel_state
 from cvllm.distributed.comm import tensor_model_parallel_all_reduce
-from cvllm.kernels.reference import MOE_ACTIVATIONS, fused_moe_ref
+from cvllm.kernels.reference import MOE_ACTIVATIONS
 from cvllm.layers.utils import copy_checked, divide
+from cvllm.quantization.base import MoEMethodBase, QuantizationConfig
+from cvllm.quantization.packed import weight_view
+from cvllm.quantization.unquantized import UnquantizedMoEMethod
 
 # (param name part, checkpoint name part, expert_id, shard_id); see expert_params_mapping.
 ExpertParamsMapping = List[Tuple[str, str, int, str]]
@@ -108,24 +113,6 @@ def _mask_to_top_groups(
     return choice.masked_fill(~score_mask, float("-inf"))
 
 
-def fused_experts(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """``hidden [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, routing ``[T, K]`` -> ``[T, H]``.
-
-    The Triton grouped GEMM on CUDA, the torch reference elsewhere."""
-    if hidden.is_cuda:
-        from cvllm.kernels.fused_moe import fused_moe
-
-        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
-    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, activation)
-
-
 def expert_params_mapping(num_experts: int) -> ExpertParamsMapping:
     """Per-expert checkpoint names -> ``FusedMoE`` params, for a model's ``load_weights``:
     ``(param part, checkpoint part, expert_id, shard_id)``; a name containing the
@@ -185,6 +172,7 @@ class FusedMoE(nn.Module):
         prefix: str = "",
         activation: str = "silu",
         reduce_results: bool = True,
+        quant_config: Optional[QuantizationConfig] = None,
     ):
         super().__init__()
         if activation not in MOE_ACTIVATIONS:
@@ -198,16 +186,12 @@ class FusedMoE(nn.Module):
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
         dtype = params_dtype or torch.get_default_dtype()
-        inter = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
-        )  # [E, 2I/tp, H]
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False
-        )  # [E, H, I/tp]
-        for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.weight_loader
-            param.load_stacked = self.load_stacked
+        method = quant_config.get_moe_method(self, prefix) if quant_config is not None else None
+        self.quant_method: MoEMethodBase = method or UnquantizedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size,
+                                         self.intermediate_size_per_partition, dtype,
+                                         weight_loader=self.weight_loader,
+                                         load_stacked=self.load_stacked)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str
@@ -216,14 +200,15 @@ class FusedMoE(nn.Module):
         ``w2`` (down) ``[H, I]``, or ``w13`` (gate and up stacked) ``[2I, H]``."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert_id {expert_id} out of range 0..{self.num_experts - 1}")
-        self._load_expert(param.data[expert_id], loaded_weight, shard_id, param is self.w2_weight)
+        self._load_expert(weight_view(param)[expert_id], loaded_weight, shard_id,
+                          param is self.w2_weight)
 
     def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         """Load all experts at once from a tensor ``[E, ...]`` (fused HF or GGUF layout)."""
         if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
             raise ValueError(f"stacked expert tensor {tuple(loaded.shape)} must be "
                              f"[{self.num_experts}, ., .]")
-        self._load_expert(param.data, loaded, shard_id, param is self.w2_weight)
+        self._load_expert(weight_view(param), loaded, shard_id, param is self.w2_weight)
 
     def _load_expert(
         self, dst: torch.Tensor, src: torch.Tensor, shard_id: str, is_w2: bool
@@ -252,8 +237,8 @@ class FusedMoE(nn.Module):
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """``hidden [T, H]`` with routing ``[T, K]`` -> ``[T, H]`` (summed over TP ranks)."""
-        out = fused_experts(
-            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation
+        out = self.quant_method.apply(
+            self, hidden, topk_weights, topk_ids, self.activation
         )  # [T, H] partial sum over this rank's slice of I
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

@@ -13,6 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from cvllm.quantization.packed import PackedView
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
@@ -34,9 +36,14 @@ def as_tensor(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x.materialize()
 
 
-def copy_checked(dst: torch.Tensor, src) -> None:
+def copy_checked(dst, src) -> None:
     """Copy a (sliced, maybe lazy) checkpoint tensor into a parameter (slice), converting
-    dtype/device. The shape is checked before a lazy ``src`` is read."""
+    dtype/device. The shape is checked before a lazy ``src`` is read. ``dst`` may be a
+    ``quantization.packed.PackedView`` (a window of a quantized weight), which keeps a
+    GGUF tensor's blocks or quantizes ``src``."""
+    if isinstance(dst, PackedView):
+        dst.load(src)
+        return
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(
             f"shape mismatch: checkpoint tensor {tuple(src.shape)} vs parameter {tuple(dst.shape)}"

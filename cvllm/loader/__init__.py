@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # torch is imported only when weights are read
 
 __all__ = [
     "ModelLoadError", "ModelSource", "resolve_model_source", "default_model_path",
-    "load_model_config", "iter_weights", "load_tokenizer", "generation_defaults",
+    "load_model_config", "iter_weights", "gguf_tensor_types", "load_tokenizer",
+    "generation_defaults",
 ]
 
 
@@ -68,6 +69,13 @@ def iter_weights(source: ModelSource) -> Iterator[Tuple[str, "LazyTensor"]]:
     from .gguf_loader import iter_gguf_weights
 
     return iter_gguf_weights(source.path)
+
+
+def gguf_tensor_types(path) -> Dict[str, int]:
+    """``HF name -> GGML type id`` of a GGUF file's weights."""
+    from .gguf_loader import gguf_tensor_types as _types
+
+    return _types(path)
 
 
 def load_tokenizer(source: ModelSource) -> Any:

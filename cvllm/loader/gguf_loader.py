@@ -1,8 +1,9 @@
 """Reading GGUF files: validation, metadata, and dequantized weights under HF names.
 
-``open_gguf`` memory-maps the file with ``gguf.GGUFReader`` after checking the magic, and
-checks every tensor's byte range against the file size; any failure is a ModelLoadError
-naming the file. The reader of the last file opened is kept, because parsing a GGUF's
+``open_gguf`` memory-maps the file with ``gguf.GGUFReader`` after a bounded parse of its
+header (``gguf_header.py``: every length checked, the first bad tensor named), and checks
+every tensor's byte range against the file size; any failure is a ModelLoadError naming
+the file. The reader of the last file opened is kept, because parsing a GGUF's
 metadata (a 49k-token vocabulary) takes seconds and config and weights both need it.
 
 ``iter_gguf_weights`` yields lazy tensors (``lazy.LazyTensor``), float32 in HF layout
@@ -11,25 +12,28 @@ dims innermost first), and for archs whose converter permutes Q/K rows the permu
 undone (and for Gemma the +1 it folds into norm weights is taken out again). A rank that
 narrows a tensor to its shard dequantizes only that part from the memory map when it is
 made of whole quantization blocks, else the whole tensor (``read_gguf_part``).
+Each lazy tensor of a GGUF also carries its GGML type and ``read_raw`` (``read_gguf_raw``:
+the part's bytes as stored, Q/K rows un-permuted the same way), which a quantized
+parameter reads instead of floats; ``gguf_tensor_types`` gives every tensor's type by its
+HF name before the model exists (the quantization config is built from it).
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .errors import ModelLoadError
 from .gguf_config import gguf_architecture, gguf_to_hf_config
+from .gguf_header import read_gguf_header
 from .gguf_names import get_arch, hf_tensor_name, unpermute_qk
 from .lazy import LazyTensor, Ranges, record_materialized
 from .progress import progress
 
-GGUF_MAGIC = b"GGUF"
-_MIN_GGUF_BYTES = 24  # magic, version, tensor count, kv count
 _MAX_DIMS = 4  # ggml tensors have at most 4 dims
 
 _cache_lock = threading.Lock()
@@ -65,16 +69,15 @@ def clear_gguf_cache() -> None:
 
 
 def _read(path: Path, size: int) -> Any:
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if size < _MIN_GGUF_BYTES or magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, "
-                             f"expected {GGUF_MAGIC!r}; {size} bytes)")
+    # gguf-py believes the header: a garbage length loops or allocates for ever, and an
+    # unknown type id or a shape that is not whole blocks fails without the tensor's name.
+    # The bounded parse (tens of ms next to the reader's second) names what is wrong first.
+    read_gguf_header(path)
     try:
         reader = _reader_class()(path)
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
-        # The reader slices its memory map; a truncated file shows up as a short slice
-        # that fails to reshape, so most errors here mean "truncated or corrupt".
+        # Left to the reader are faults the header parse cannot see (it does not decode
+        # values), so this is a corrupt file, said without a tensor name.
         raise ModelLoadError(f"{path} is truncated or corrupt; cannot read it as GGUF ({e})") from e
     _check_tensors(path, reader, size)
     return reader
@@ -194,26 +197,62 @@ def read_gguf_part(t: Any, ranges: Ranges) -> torch.Tensor:
     return out
 
 
+def read_gguf_raw(t: Any, ranges: Ranges) -> torch.Tensor:
+    """``ranges`` of a reader tensor as its stored bytes, ``uint8 [..., n, cols / B * S]``:
+    rows are whole blocks always, a column range only on block boundaries (else a
+    ModelLoadError naming the tensor: a tensor-parallel split that would cut a block)."""
+    index = _block_slice(t, ranges)
+    if index is None:
+        from gguf import GGML_QUANT_SIZES
+
+        block = GGML_QUANT_SIZES[t.tensor_type][0]
+        (c0, n) = ranges[-1]
+        raise ModelLoadError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, blocks of {block}): "
+                             f"columns [{c0}, {c0 + n}) do not fall on block boundaries")
+    part = np.ascontiguousarray(t.data[index]).view(np.uint8)
+    out = torch.from_numpy(part.copy())  # the memory map is read-only
+    record_materialized(out.numel())
+    return out
+
+
+def _permuted(read, shape, rows_per_head: Optional[int]):
+    """``read`` with llama.cpp's Q/K row permutation undone: a part of whole heads is
+    un-permuted on its own (``unpermute_qk`` over its heads); a part cutting a head reads
+    all rows, un-permutes, then narrows. Rows are whole blocks, so the raw bytes permute
+    the same way as the values."""
+    if rows_per_head is None:
+        return read
+
+    def unpermuted(ranges: Ranges) -> torch.Tensor:
+        s, n = ranges[0]
+        if s % rows_per_head == 0 and n % rows_per_head == 0:
+            return unpermute_qk(read(ranges), n // rows_per_head)
+        w = unpermute_qk(read(((0, shape[0]),) + tuple(ranges[1:])), shape[0] // rows_per_head)
+        return w.narrow(0, s, n).contiguous()
+
+    return unpermuted
+
+
 def _gguf_reader(t: Any, rows_per_head: Optional[int], norm_offset: float):
-    """Reader of one tensor in HF layout. Q/K rows: llama.cpp permutes rows within each
-    head, so a part of whole heads is un-permuted on its own (``unpermute_qk`` over its
-    heads); a part cutting a head reads all rows, un-permutes, then narrows."""
+    """Reader of one tensor in HF layout as float32 (Q/K rows un-permuted, Gemma's norm
+    offset taken out)."""
+    read = _permuted(lambda ranges: read_gguf_part(t, ranges), _hf_shape(t), rows_per_head)
+    if not norm_offset:
+        return read
+    return lambda ranges: read(ranges) - norm_offset
 
-    def read(ranges: Ranges) -> torch.Tensor:
-        if rows_per_head is None:
-            w = read_gguf_part(t, ranges)
-        else:
-            s, n = ranges[0]
-            if s % rows_per_head == 0 and n % rows_per_head == 0:
-                w = unpermute_qk(read_gguf_part(t, ranges), n // rows_per_head)
-            else:
-                rows = _hf_shape(t)[0]
-                w = unpermute_qk(read_gguf_part(t, ((0, rows),) + tuple(ranges[1:])),
-                                 rows // rows_per_head)
-                w = w.narrow(0, s, n).contiguous()
-        return w - norm_offset if norm_offset else w
 
-    return read
+def gguf_tensor_types(path: Path) -> Dict[str, int]:
+    """``HF name -> GGML type id`` of every weight of a GGUF file (the quantization config
+    is built from it before the model exists)."""
+    reader = open_gguf(path)
+    arch = get_arch(gguf_architecture(reader))
+    types = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name, arch)
+        if name is not None:
+            types[name] = int(t.tensor_type)
+    return types
 
 
 def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, LazyTensor]]:
@@ -239,7 +278,9 @@ def iter_gguf_weights(path: Path) -> Iterator[Tuple[str, LazyTensor]]:
                                      f"{heads} heads")
             rows_per_head = shape[0] // heads
         offset = arch.norm_weight_offset if name.endswith("norm.weight") else 0.0
-        yield name, LazyTensor(name, shape, torch.float32, _gguf_reader(t, rows_per_head, offset))
+        raw = _permuted(lambda ranges, t=t: read_gguf_raw(t, ranges), shape, rows_per_head)
+        yield name, LazyTensor(name, shape, torch.float32, _gguf_reader(t, rows_per_head, offset),
+                               ggml_type=int(t.tensor_type), read_raw=raw)
     # Loaded: free the parsed metadata (tens of MB for a large vocabulary) in a long-lived
     # server; a later call simply re-reads it. Lazy tensors keep their own memory-map views.
     clear_gguf_cache()

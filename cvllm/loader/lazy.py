@@ -13,6 +13,12 @@ is read exactly as before (``safe_open.get_tensor``, one ``dequantize`` call).
 LazyTensor) and ``materialize()`` (a fresh, writable ``torch.Tensor`` of ``shape``).
 Code that needs anything else (a reshape, a stack) materialises first.
 
+A GGUF tensor kept in its quantization blocks also carries ``ggml_type`` (the GGML type
+id) and ``read_raw()``: the same part as the file's bytes, ``uint8 [..., n, cols / B * S]``
+(a column range must fall on block boundaries). A quantized parameter's loader reads that
+instead of the float values (``quantization/packed.py``); every other loader materialises
+floats as before. Plain tensors have ``ggml_type = None``.
+
 ``materialized_bytes()`` counts the bytes this thread's readers produced (a whole tensor
 when a slice could not be read on its own), so a test can check that a rank read only
 its shard.
@@ -29,6 +35,8 @@ Ranges = Tuple[Tuple[int, int], ...]
 """Per dimension of the full tensor: ``(start, length)`` of the part wanted."""
 Reader = Callable[[Ranges], torch.Tensor]
 """Reads the given ranges of the full tensor: returns a tensor of the ranges' lengths."""
+RawReader = Callable[[Ranges], torch.Tensor]
+"""Reads the given ranges of the full tensor as its stored quantization blocks (uint8)."""
 
 _counter = threading.local()
 
@@ -50,12 +58,16 @@ def reset_materialized_bytes() -> None:
 class LazyTensor:
     """A (part of a) checkpoint tensor not read yet."""
 
-    __slots__ = ("name", "dtype", "full_shape", "ranges", "_read")
+    __slots__ = ("name", "dtype", "full_shape", "ranges", "_read", "ggml_type", "_read_raw")
 
     def __init__(self, name: str, full_shape: Sequence[int], dtype: torch.dtype, read: Reader,
-                 ranges: Optional[Ranges] = None):
+                 ranges: Optional[Ranges] = None, ggml_type: Optional[int] = None,
+                 read_raw: Optional[RawReader] = None):
         self.name = name
         self.dtype = dtype
+        self.ggml_type = ggml_type
+        """GGML type id of the stored blocks (None: a plain tensor, no ``read_raw``)."""
+        self._read_raw = read_raw
         self.full_shape = tuple(int(d) for d in full_shape)
         self.ranges: Ranges = ranges if ranges is not None else tuple(
             (0, d) for d in self.full_shape)
@@ -91,7 +103,8 @@ class LazyTensor:
                              f"dimension of size {size}")
         ranges = list(self.ranges)
         ranges[dim] = (offset + start, length)
-        return LazyTensor(self.name, self.full_shape, self.dtype, self._read, tuple(ranges))
+        return LazyTensor(self.name, self.full_shape, self.dtype, self._read, tuple(ranges),
+                          self.ggml_type, self._read_raw)
 
     def materialize(self) -> torch.Tensor:
         """Read this part now: a fresh tensor of ``shape`` in ``dtype``."""
@@ -100,6 +113,12 @@ class LazyTensor:
             raise RuntimeError(f"{self.name}: reader returned {tuple(out.shape)} for a part of "
                                f"shape {tuple(self.shape)}")
         return out
+
+    def read_raw(self) -> torch.Tensor:
+        """This part as the file's quantization blocks: ``uint8 [..., n, cols / B * S]``."""
+        if self._read_raw is None:
+            raise RuntimeError(f"{self.name}: not a block-quantized tensor")
+        return self._read_raw(self.ranges)
 
     def __repr__(self) -> str:
         return (f"LazyTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "

@@ -126,7 +126,8 @@ class DeepseekV2MoE(nn.Module):
         act = config.get("hidden_act", "silu")
         self.gate = DeepseekRouter(hidden, num_experts, variant.use_score_bias)
         self.experts = FusedMoE(
-            num_experts, self.top_k, hidden, inter, dtype, f"{prefix}.experts", activation=act
+            num_experts, self.top_k, hidden, inter, dtype, f"{prefix}.experts", activation=act,
+            quant_config=quant_config,
         )
         n_shared = int(config.get("n_shared_experts") or 0)
         self.shared_experts = (
@@ -235,7 +236,8 @@ class DeepseekV2Model(nn.Module):
         super().__init__()
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens",
+            quant_config=quant_config
         )
         rope_dim = int(config.get("qk_rope_head_dim"))
         rotary_emb = get_rope(
@@ -293,7 +295,8 @@ class DeepseekV2ForCausalLM(CausalLMBase):
         hidden = model_config.get("hidden_size")
         self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
-            model_config.vocab_size, hidden, params_dtype=self.dtype, prefix="lm_head"
+            model_config.vocab_size, hidden, params_dtype=self.dtype, prefix="lm_head",
+            quant_config=quant_config
         )
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -209,7 +209,8 @@ class GemmaModel(nn.Module):
         super().__init__()
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens",
+            quant_config=quant_config
         )
         # HF rounds sqrt(hidden) to the weights' dtype before scaling (bf16: 8 bits).
         self.embed_scale = float(torch.tensor(hidden**0.5, dtype=dtype))
@@ -271,7 +272,8 @@ class Gemma2ForCausalLM(CausalLMBase):
         hidden = model_config.get("hidden_size")
         self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(
-            model_config.vocab_size, hidden, params_dtype=dtype, prefix="lm_head"
+            model_config.vocab_size, hidden, params_dtype=dtype, prefix="lm_head",
+            quant_config=quant_config
         )
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

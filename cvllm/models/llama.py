@@ -210,7 +210,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens",
+            quant_config=quant_config
         )
         rotary_emb = get_rope(
             config.head_dim,
@@ -287,7 +288,8 @@ class LlamaForCausalLM(CausalLMBase):
         hidden = model_config.get("hidden_size")
         self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
-            model_config.vocab_size, hidden, params_dtype=dtype, prefix="lm_head"
+            model_config.vocab_size, hidden, params_dtype=dtype, prefix="lm_head",
+            quant_config=quant_config
         )
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -21,6 +21,7 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from cvllm.quantization.packed import weight_view
 from cvllm.layers.moe import parse_expert_weight_name
 from cvllm.layers.utils import default_weight_loader
 from cvllm.models.utils import StackedParamsMapping, WeightLoadError, process_weights_after_loading
@@ -72,7 +73,7 @@ def _load_expert(param: nn.Parameter, tensor: torch.Tensor, name: str,
     try:
         if expert_id is None:
             param.load_stacked(param, tensor, shard)
-            experts = range(param.shape[0])
+            experts = range(weight_view(param).shape[0])  # packed: its logical shape
         else:
             param.weight_loader(param, tensor, expert_id, shard)
             experts = (expert_id,)
@@ -108,7 +109,8 @@ def _missing(params: dict, seen: Set[str], expert_parts: Dict[str, Set[Tuple[int
             prefix = pname.rsplit(".", 1)[0]  # ...mlp.experts
             have = expert_parts.get(pname, set())
             shards = ("w2",) if pname.endswith("w2_weight") else ("w1", "w3")
-            missing.extend(f"{prefix}.{e}.{_SHARD_PROJ[s]}.weight" for e in range(param.shape[0])
+            experts = weight_view(param).shape[0]  # packed: its logical shape
+            missing.extend(f"{prefix}.{e}.{_SHARD_PROJ[s]}.weight" for e in range(experts)
                            for s in shards if (e, s) not in have)
             continue
         if pname in seen:

@@ -162,7 +162,8 @@ class PhiModel(nn.Module):
             raise ValueError("Phi-2 has no sliding-window attention")
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens",
+            quant_config=quant_config
         )
         rotary_emb = get_rope(
             config.head_dim,
@@ -196,7 +197,7 @@ def add_lm_head_bias(lm_head: ParallelLMHead) -> None:
     """Give an LM head built without one a vocabulary-sharded bias, as
     ``ParallelLMHead(bias=True)`` would (Llama's wrapper builds the head bias-free)."""
     bias = nn.Parameter(
-        torch.zeros(lm_head.num_embeddings_per_partition, dtype=lm_head.weight.dtype),
+        torch.zeros(lm_head.num_embeddings_per_partition, dtype=lm_head.params_dtype),
         requires_grad=False,
     )  # [V_per_partition]
     set_weight_attrs(bias, {"output_dim": 0, "weight_loader": lm_head.weight_loader})

@@ -66,7 +66,8 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
                                      prefix=f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, self.top_k, hidden,
                                 int(config.get("moe_intermediate_size")), dtype,
-                                prefix=f"{prefix}.experts", activation=_MOE_ACT[act])
+                                prefix=f"{prefix}.experts", activation=_MOE_ACT[act],
+                                quant_config=quant_config)
         shared = int(config.get("shared_expert_intermediate_size", 0) or 0)
         self.shared_expert: Optional[Qwen2MoeMLP] = None
         if shared > 0:

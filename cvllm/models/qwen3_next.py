@@ -97,7 +97,8 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.experts = FusedMoE(self.num_experts, self.top_k, hidden,
                                 int(config.get("moe_intermediate_size")), dtype,
                                 prefix=f"{prefix}.experts",
-                                activation=config.get("hidden_act", "silu"))
+                                activation=config.get("hidden_act", "silu"),
+                                quant_config=quant_config)
         shared = int(config.get("shared_expert_intermediate_size") or 0)
         self.shared_expert = (Qwen3NextMLP(config, shared, dtype, quant_config,
                                            f"{prefix}.shared_expert") if shared else None)
@@ -229,7 +230,8 @@ class Qwen3NextModel(nn.Module):
         super().__init__()
         hidden = config.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, dtype,
-                                                   prefix=f"{prefix}.embed_tokens")
+                                                   prefix=f"{prefix}.embed_tokens",
+            quant_config=quant_config)
         # Qwen3.5's text rope is multimodal (mrope) in name only: with one position per
         # token on all three axes it is plain rope over the partial rotary dims.
         rotary_emb = get_rope(config.head_dim, config.max_model_len,
@@ -278,7 +280,7 @@ class Qwen3NextForCausalLM(CausalLMBase):
         hidden = model_config.get("hidden_size")
         self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(model_config.vocab_size, hidden, params_dtype=self.dtype,
-                                      prefix="lm_head")
+                                      prefix="lm_head", quant_config=quant_config)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(model_config.vocab_size)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from cvllm.layers.layernorm import RMSNorm
-from cvllm.layers.utils import default_weight_loader
+from cvllm.layers.utils import copy_checked, default_weight_loader
+from cvllm.quantization.packed import weight_view
 
 # (fused parameter name part, checkpoint name part, shard_id)
 StackedParamsMapping = Sequence[Tuple[str, str, object]]
@@ -108,8 +109,9 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             param.data.fill_(1.0)
             continue
         gen = torch.Generator(device=param.device).manual_seed(seed * 100003 + i)
+        dst = weight_view(param)  # a packed weight: random floats, quantized to its types
         values = (
-            torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32) * std
+            torch.randn(dst.shape, generator=gen, device=param.device, dtype=torch.float32) * std
         )
-        param.data.copy_(values)
+        copy_checked(dst, values)
     process_weights_after_loading(model)

@@ -51,6 +51,85 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights for compute (called once, after all weights are in)."""
 
+    def apply_fused(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+                    act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:
+        """``apply(layer, act_fn(x), bias)`` (``act_fn``: a gated activation or None). A
+        method whose batch-1 kernel can apply the activation itself, or push its rows to
+        ``sink`` (a ``CustomAllReduce``: the all-reduce then reads them and expects the
+        returned tensor next, ``sink.mark_pushed``), overrides this; by default neither
+        happens and the caller's reduction runs as usual."""
+        if act_fn is not None:
+            x = act_fn(x)  # [.., I]
+        return self.apply(layer, x, bias)
+
+    def input_granularity(self) -> int:
+        """Input features a split of this weight must keep together (a quantization
+        block; 1 for plain weights)."""
+        return 1
+
+    def weight_nbytes(self) -> int:
+        """Device bytes of weights this method holds outside the layer's parameters."""
+        return 0
+
+    def weight_types(self) -> List[Any]:
+        """The stored types of this layer's weights (for the start-up log)."""
+        return []
+
+
+class EmbeddingMethodBase(ABC):
+    """How a vocabulary-parallel embedding / LM head stores its rows and uses them."""
+
+    @abstractmethod
+    def create_weights(self, layer: torch.nn.Module, num_rows: int, embedding_dim: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        """Register ``layer.weight``: this rank's ``num_rows`` vocabulary rows."""
+
+    @abstractmethod
+    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [T]`` (local row numbers) -> ``[T, embedding_dim]``."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """LM head: ``x [.., dim] -> [.., num_rows]``."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Called once per layer using this method after loading (a tied LM head calls it
+        again on the same method: idempotent)."""
+
+    def weight_nbytes(self) -> int:
+        return 0
+
+    def weight_types(self) -> List[Any]:
+        return []
+
+
+class MoEMethodBase(ABC):
+    """How fused MoE experts store ``w13 [E, 2I/tp, H]`` / ``w2 [E, H, I/tp]`` and compute."""
+
+    graph_safe = True
+    """Whether ``apply`` can be captured in a CUDA graph (no host reads of device data)."""
+
+    @abstractmethod
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       inter_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        """Register ``layer.w13_weight`` and ``layer.w2_weight``."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+        """``hidden [T, H]`` with routing ``[T, K]`` -> ``[T, H]`` (this rank's partial sum)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass
+
+    def weight_nbytes(self, layer: torch.nn.Module) -> int:
+        return 0
+
+    def weight_types(self) -> List[Any]:
+        return []
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization scheme; picks a ``LinearMethod`` per layer."""
@@ -61,3 +140,12 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         """The method for ``layer`` (named ``prefix`` in the model), or None for plain."""
+
+    def get_embedding_method(self, layer: torch.nn.Module, prefix: str,
+                             is_lm_head: bool) -> Optional["EmbeddingMethodBase"]:
+        """The method of a token embedding / LM head, or None for plain rows."""
+        return None
+
+    def get_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional["MoEMethodBase"]:
+        """The method of a fused MoE layer's experts, or None for plain weights."""
+        return None

@@ -14,7 +14,9 @@ from typing import Any, List, Optional
 import torch
 import torch.nn.functional as F
 
-from cvllm.quantization.base import LinearMethodBase, set_weight_attrs
+from cvllm.quantization.base import (
+    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, set_weight_attrs,
+)
 
 FUSE_ACT = os.environ.get("CVLLM_GEMV_ACT", "1").strip() != "0"
 """Whether a batch-1 GEMV applies a gated activation to its input itself (one kernel
@@ -79,3 +81,55 @@ class UnquantizedLinearMethod(LinearMethodBase):
         elif act_fn is not None:
             x = act_fn(x)  # [.., I]
         return self.apply(layer, x, bias)
+
+
+class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
+    """Plain ``[V_per_partition, hidden]`` rows in the model dtype; as an LM head, the
+    unquantized linear (batch-1 GEMV on CUDA)."""
+
+    _linear = UnquantizedLinearMethod()
+
+    def create_weights(self, layer: torch.nn.Module, num_rows: int, embedding_dim: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        weight = torch.nn.Parameter(torch.empty(num_rows, embedding_dim, dtype=params_dtype),
+                                    requires_grad=False)  # [V_per_partition, hidden]
+        set_weight_attrs(weight, {"output_dim": 0})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+
+    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)  # [T, hidden]
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._linear.apply(layer, x, bias)
+
+
+class UnquantizedMoEMethod(MoEMethodBase):
+    """Plain expert weights in the model dtype: the Triton grouped GEMM on CUDA
+    (``kernels/fused_moe.py``), its torch reference elsewhere."""
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       inter_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        inter = inter_per_partition
+        layer.w13_weight = torch.nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype),
+            requires_grad=False)  # [E, 2I/tp, H]
+        layer.w2_weight = torch.nn.Parameter(
+            torch.empty(num_experts, hidden_size, inter, dtype=params_dtype),
+            requires_grad=False)  # [E, H, I/tp]
+        for param in (layer.w13_weight, layer.w2_weight):
+            set_weight_attrs(param, extra_weight_attrs)
+
+    def apply(self, layer: torch.nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+        if hidden.is_cuda:
+            from cvllm.kernels.fused_moe import fused_moe
+
+            return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             activation)
+        from cvllm.kernels.reference import fused_moe_ref
+
+        return fused_moe_ref(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             activation)

@@ -83,6 +83,7 @@ def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec])
     arrays, as does the torch reference backend, so a capture would freeze one step's
     sizes into every replay."""
     from cvllm.layers.attention import Attention
+    from cvllm.layers.moe import FusedMoE
 
     for i, spec in enumerate(specs):
         if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
@@ -93,6 +94,9 @@ def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec])
     names = sorted({a.backend.name for a in attns} - set(GRAPH_SAFE_BACKENDS))
     if names:
         return f"attention backend {', '.join(names)} plans on the host"
+    for m in model.modules():
+        if isinstance(m, FusedMoE) and not m.quant_method.graph_safe:
+            return f"{type(m.quant_method).__name__} picks its experts on the host"
     return None
 
 

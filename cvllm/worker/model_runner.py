@@ -43,6 +43,8 @@ from cvllm.distributed import parallel_state
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.registry import get_model_class
+from cvllm.quantization.gguf import build_quant_config
+from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
                                      patch_placeholders)
@@ -103,17 +105,20 @@ class ModelRunner:
         from cvllm import loader
 
         cls = get_model_class(self.config.model.architecture)
+        quant_config = build_quant_config(self.config.quant, cls)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), forced_attn_backend(self.config.attention_backend):
-                model = cls(self.config.model)
+                model = cls(self.config.model, quant_config)
         finally:
             torch.set_default_dtype(prev)
         if self.config.load_format == "dummy":
             model.init_dummy_weights(self.config.seed)
         else:
             model.load_weights(loader.iter_weights(source))
+        per_type, total = weight_summary(model)
+        logger.info(format_summary(per_type, total, self.device))
         return model.eval()
 
     def _plan_kv_cache(self, capture: bool) -> KVCacheLayout:

@@ -1,8 +1,10 @@
 """The default real model through the whole engine, against Hugging Face transformers.
 
 Tolerance: greedy decoding must agree token for token (both sides float32, both
-dequantizing the same Q4_1 GGUF). Batching, chunked prefill and preemption must not change
-a single greedy token either.
+dequantizing the same Q4_1 GGUF: ``dequantize=True``, the exact float path). Batching,
+chunked prefill and preemption must not change a single greedy token either. The default
+path keeps the weights quantized (bf16 kernels on the CPU); it is held against this float
+path in tests/quantization/test_default_model_quantized.py.
 """
 
 import pytest
@@ -22,7 +24,8 @@ def _greedy():
 
 @pytest.fixture(scope="module")
 def llm(default_gguf):
-    return LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128)
+    return LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128,
+               dequantize=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,8 @@ def test_sixteen_concurrent_equal_one_at_a_time(llm, conversations, one_at_a_tim
 
 
 def test_chunked_prefill_gives_same_tokens(default_gguf, conversations, one_at_a_time):
-    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128, prefill_chunk_size=16)
+    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=1024, kvcache_mem_mb=128, prefill_chunk_size=16,
+              dequantize=True)
     prompt_lens = [len(llm.tokenizer.render_chat(c)) for c in conversations]
     assert min(prompt_lens) > 16  # every prompt really is split into chunks
     convs = [conversations[i % len(conversations)] for i in range(16)]
@@ -79,7 +83,7 @@ def test_chunked_prefill_gives_same_tokens(default_gguf, conversations, one_at_a
 
 def test_preemption_gives_same_tokens(default_gguf, conversations, one_at_a_time):
     # 24 blocks of 16 tokens hold about 4 of these sequences; 16 at once must preempt.
-    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=384, num_blocks=24)
+    llm = LLM(weight_file=str(default_gguf), cpu=True, max_model_len=384, num_blocks=24, dequantize=True)
     convs = [conversations[i % len(conversations)] for i in range(16)]
     results = llm.chat(convs, _greedy())
     assert llm.engine.scheduler.num_preemptions_total > 0

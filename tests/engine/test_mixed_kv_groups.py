@@ -33,7 +33,7 @@ class MixedModel(nn.Module):
     """Embedding, then per layer x += o(attention(qkv(x))) with the layer's window; no
     cache_specs(), so the worker derives the specs from the Attention modules."""
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, quant_config=None):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.qkv = nn.ModuleList(nn.Linear(HIDDEN, (H + 2 * HKV) * D) for _ in WINDOWS)

@@ -156,7 +156,7 @@ class TwoWindows(nn.Module):
 
     V, HID, H, HKV, D = 64, 32, 4, 2, 16
 
-    def __init__(self, model_config=None):
+    def __init__(self, model_config=None, quant_config=None):
         super().__init__()
         V, HID, H, HKV, D = self.V, self.HID, self.H, self.HKV, self.D
         self.embed = nn.Embedding(V, HID)
@@ -254,7 +254,7 @@ def _with_padding(runner, sizes=(1, 2, 4)):
 class Recorder(nn.Module):
     """hidden = one-hot of the input id: greedy sampling returns each row's own input."""
 
-    def __init__(self, model_config=None):
+    def __init__(self, model_config=None, quant_config=None):
         super().__init__()
         self.seen = []
 

@@ -41,7 +41,7 @@ class SpecModel(nn.Module):
 
     specs = SPECS
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, quant_config=None):
         super().__init__()
         self.calls = []
 
@@ -65,7 +65,7 @@ class SpecModel(nn.Module):
 class WindowedModel(nn.Module):
     """No cache_specs(): one Attention module per layer, alternating windows."""
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, quant_config=None):
         super().__init__()
         self.attns = nn.ModuleList(
             Attention(4, 8, 0.3, 2, sliding_window=w) for w in (None, 6, None)
@@ -124,7 +124,7 @@ def test_default_specs_come_from_the_attention_layers(monkeypatch):
 
 def test_default_specs_without_attention_modules_are_full_from_config(monkeypatch):
     class Bare(nn.Module):
-        def __init__(self, mc):
+        def __init__(self, mc, quant_config=None):
             super().__init__()
 
         def init_dummy_weights(self, seed):

@@ -9,7 +9,8 @@ never look for capabilities by name: what a backend offers is this class.
 Backends: the Triton kernels on CUDA (``ggml_cuda``), the CPU kernels (``ggml_cpu``);
 ``DequantizedBackend`` (a dequantized copy) for a type or activation dtype those do not
 take (Q6_K on the CPU, float32 activations on CUDA); ``ReferenceBackend`` (the torch
-reference, dequantizing per call: the tests' exact oracle). Built per call of ``backend_for``; no state outside the weights they prepare.
+reference, dequantizing per call: the tests' exact oracle). Built per call of
+``backend_for``; no state outside the weights they prepare.
 """
 
 from __future__ import annotations

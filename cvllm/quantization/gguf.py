@@ -1,0 +1,329 @@
+"""GGML-typed weights kept in their blocks: the config (GGUF files and ``--isq``) and the
+methods of linears, token embeddings / LM heads and fused MoE experts.
+
+Built by the worker on every rank (``build_quant_config``) from the engine's
+``QuantConfig`` before the model exists, and handed to the model constructor; each layer
+asks it for its method. A method owns the layer's packed parameter (``packed.py``: the
+file's bytes, sharded by the layer's loader) and, after loading, the backend's prepared
+weights (``kernels/quant/backend.py``: Triton on CUDA, the CPU kernels, or the torch
+reference), one per run of same-type output rows. The prepared state lives on the method
+object, so a tied LM head that shares the embedding's method shares its weights.
+
+Which type each layer gets:
+- ``gguf``: each checkpoint tensor's type in the file. A fused layer (qkv, gate_up)
+  takes its parts' types in order (the model's ``stacked_params_mapping`` names them);
+  parts may differ (Q4_K_M keeps some v / down in Q6_K). Layers whose tensors are float
+  stay unquantized; a type without kernels was dequantized by the loader (one warning).
+- ``isq``: every linear and MoE expert at the ``--isq`` type, the token embedding too; the
+  LM head at Q6_K (Q8_0 for ``q8_0``) as llama.cpp keeps ``output.weight``. A row length
+  that is not whole blocks of the type takes llama.cpp's fallback (Q4_K -> Q5_0, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from cvllm.kernels.quant.backend import GgmlWeight, RawWeight, ReferenceBackend, backend_for
+from cvllm.kernels.quant.ggml_types import (
+    FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, block_shape, parse_isq,
+)
+from cvllm.quantization.base import (
+    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, QuantizationConfig, set_weight_attrs,
+)
+from cvllm.quantization.packed import check_input_split, create_packed
+
+logger = logging.getLogger("cvllm.quantization")
+
+KEPT_TYPES = QUANTIZED_TYPES | FLOAT_TYPES
+"""Types a packed weight may hold (float parts of a quantized fused layer included)."""
+
+_FALLBACK = {GgmlType.Q2_K: GgmlType.Q4_0, GgmlType.Q3_K: GgmlType.Q4_0,
+             GgmlType.Q4_K: GgmlType.Q5_0, GgmlType.Q5_K: GgmlType.Q5_1,
+             GgmlType.Q6_K: GgmlType.Q8_0}
+"""llama.cpp's choice for rows that are not whole 256-blocks."""
+_SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
+
+
+class GGUFQuantConfig(QuantizationConfig):
+    """Per-layer GGML types, from a GGUF file's tensor types or from ``--isq``."""
+
+    def __init__(self, tensor_types: Optional[Dict[str, int]] = None,
+                 isq: Optional[str] = None,
+                 stacked_params_mapping: Sequence[Tuple[str, str, object]] = ()):
+        if (tensor_types is None) == (isq is None):
+            raise ValueError("give the GGUF tensor types or an --isq type, not both")
+        self.tensor_types = {k: GgmlType(v) for k, v in (tensor_types or {}).items()}
+        self.isq = parse_isq(isq) if isq is not None else None
+        self.mapping = list(stacked_params_mapping)
+
+    def get_name(self) -> str:
+        return "gguf" if self.isq is None else f"isq:{self.isq.name}"
+
+    def part_types(self, prefix: str, cols: int, head: bool = False) -> Optional[List[GgmlType]]:
+        """The types of the checkpoint tensors behind a layer, in output order (one for an
+        unfused layer or a pre-fused tensor); None when it stays unquantized."""
+        if self.isq is not None:
+            t = self.isq
+            if head:
+                t = GgmlType.Q8_0 if self.isq == GgmlType.Q8_0 else GgmlType.Q6_K
+            while cols % block_shape(t)[0] and t in _FALLBACK:
+                t = _FALLBACK[t]
+            return [t] if cols % block_shape(t)[0] == 0 else None
+        name = f"{prefix}.weight"
+        if name in self.tensor_types:
+            types = [self.tensor_types[name]]
+        else:
+            parts = [(sid, name.replace(p, c)) for p, c, sid in self.mapping if p in name]
+            if not parts or not all(isinstance(s, int) or s in _SHARD_ORDER for s, _ in parts):
+                return None
+            parts.sort(key=lambda sp: sp[0] if isinstance(sp[0], int) else _SHARD_ORDER[sp[0]])
+            if any(n not in self.tensor_types for _, n in parts):
+                return None
+            types = [self.tensor_types[n] for _, n in parts]
+        if all(t in FLOAT_TYPES for t in types) or not all(t in KEPT_TYPES for t in types):
+            return None
+        return types
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        types = self.part_types(prefix, layer.input_size)
+        return GGUFLinearMethod(types, prefix) if types else None
+
+    def get_embedding_method(self, layer: torch.nn.Module, prefix: str,
+                             is_lm_head: bool) -> Optional[EmbeddingMethodBase]:
+        types = self.part_types(prefix, layer.embedding_dim, head=is_lm_head)
+        return GGUFEmbeddingMethod(types[0], prefix) if types and len(types) == 1 else None
+
+    def get_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[MoEMethodBase]:
+        if self.isq is not None:
+            t13 = self.part_types(prefix, layer.hidden_size)
+            t2 = self.part_types(prefix, layer.intermediate_size)
+            if not t13 or not t2:
+                return None
+            return GGUFMoEMethod([t13[0], t13[0]], t2[0], prefix)
+        names = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        types = [self.tensor_types.get(n) for n in names]
+        if any(t not in KEPT_TYPES for t in types) or all(t in FLOAT_TYPES for t in types):
+            return None
+        return GGUFMoEMethod(types[:2], types[2], prefix)
+
+
+class _Prepared:
+    """The backend's weights of one layer: ``(first row, rows, backend, weight)`` per run
+    of same-type output rows (usually one)."""
+
+    def __init__(self):
+        self.groups: List[Tuple[int, int, object, GgmlWeight]] = []
+        self.rows = 0
+
+    def build(self, param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+        layout = param.packed
+        for first, rows, t, ids in layout.groups():
+            parts = [layout.part_tensor(param.data, i) for i in ids]
+            raw = parts[0] if len(parts) == 1 else torch.cat(parts, 0)  # [rows, row bytes]
+            backend = backend_for(param.device, t, dtype)
+            self.groups.append((first, rows, backend, backend.prepare(raw.contiguous(), t, dtype)))
+        self.rows = layout.rows
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if len(self.groups) == 1:
+            _, _, backend, w = self.groups[0]
+            y = backend.linear(x2, w, bias)  # [M, N]
+        else:
+            y = torch.cat([b.linear(x2, w) for _, _, b, w in self.groups], dim=-1)  # [M, N]
+            if bias is not None:
+                y = y + bias
+        return y.reshape(*lead, self.rows)
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for _, _, _, w in self.groups)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """A linear whose output parts are GGML-typed rows (``part_types``, in order)."""
+
+    def __init__(self, part_types: Sequence[GgmlType], prefix: str = ""):
+        self.part_types = [GgmlType(t) for t in part_types]
+        self.prefix = prefix
+        self.prepared: Optional[_Prepared] = None
+
+    def input_granularity(self) -> int:
+        return max(block_shape(t)[0] for t in self.part_types)
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype, **extra_weight_attrs) -> None:
+        types = self.part_types
+        if len(types) == 1 and len(output_partition_sizes) > 1:
+            types = types * len(output_partition_sizes)  # a pre-fused checkpoint tensor
+        if len(types) != len(output_partition_sizes):
+            raise ValueError(f"{self.prefix}: {len(types)} part types for "
+                             f"{len(output_partition_sizes)} output parts")
+        weight = create_packed((), list(zip(output_partition_sizes, types)),
+                               input_size_per_partition, self.prefix)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+        self.params_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.prepared is not None:
+            return
+        self.prepared = _Prepared()
+        self.prepared.build(layer.weight, self.params_dtype)
+        layer.weight = None  # the backend's weights replace the file's bytes
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.prepared.linear(x, bias)
+
+    def weight_nbytes(self) -> int:
+        return self.prepared.nbytes() if self.prepared is not None else 0
+
+    def weight_types(self) -> List[GgmlType]:
+        return list(self.part_types)
+
+
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """A vocabulary-parallel embedding or LM head of one GGML type.
+
+    When the backend multiplies in a narrower dtype than the model's (the CPU's int4
+    kernel takes bf16 activations, with bf16 block scales), the file's bytes are kept
+    beside its weights: token lookups dequantize them exactly, and the LM head's
+    ``REFINE_TOP`` largest logits per row are recomputed from them in the model dtype, so
+    greedy choices and top log-probabilities see the exact head (the rows are few; the
+    bytes cost one more copy of this one tensor)."""
+
+    REFINE_TOP = 16
+
+    def __init__(self, t: GgmlType, prefix: str = ""):
+        self.t = GgmlType(t)
+        self.prefix = prefix
+        self.prepared: Optional[_Prepared] = None
+        self.exact: Optional[RawWeight] = None
+        """The file's bytes, kept when the backend is not exact in the model dtype."""
+
+    def create_weights(self, layer, num_rows: int, embedding_dim: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        weight = create_packed((), [(num_rows, self.t)], embedding_dim, self.prefix)
+        set_weight_attrs(weight, {"output_dim": 0})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+        self.params_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.prepared is None:
+            self.prepared = _Prepared()
+            self.prepared.build(layer.weight, self.params_dtype)
+            _, _, backend, _ = self.prepared.groups[0]
+            if not backend.exact(self.params_dtype):
+                raw = layer.weight.packed.part_tensor(layer.weight.data, 0)
+                self.exact = ReferenceBackend().prepare(raw.clone(), self.t, self.params_dtype)
+        layer.weight = None
+
+    def embedding(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        if self.exact is not None:
+            return ReferenceBackend().embedding(self.exact, ids, self.params_dtype)
+        _, _, backend, w = self.prepared.groups[0]
+        return backend.embedding(w, ids, self.params_dtype)  # [T, hidden]
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = self.prepared.linear(x, bias)  # [.., V_per_partition]
+        if self.exact is None:
+            return y
+        return self._refine(x, y, bias)
+
+    def _refine(self, x: torch.Tensor, y: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``y`` with each row's ``REFINE_TOP`` largest entries recomputed exactly."""
+        from cvllm.kernels.quant.reference import dequantize
+
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [M, K], [M, V]
+        top = y2.topk(min(self.REFINE_TOP, y2.shape[-1]), dim=-1).indices  # [M, R]
+        rows = dequantize(self.exact.raw[top.reshape(-1)], self.t, x.dtype)  # [M*R, K]
+        exact = torch.bmm(rows.view(*top.shape, -1), x2.unsqueeze(-1)).squeeze(-1)  # [M, R]
+        if bias is not None:
+            exact = exact + bias[top]
+        return y2.scatter(-1, top, exact.to(y2.dtype)).view(y.shape)
+
+    def weight_nbytes(self) -> int:
+        if self.prepared is None:
+            return 0
+        return self.prepared.nbytes() + (self.exact.nbytes() if self.exact is not None else 0)
+
+    def weight_types(self) -> List[GgmlType]:
+        return [self.t]
+
+
+class GGUFMoEMethod(MoEMethodBase):
+    """Fused MoE experts in GGML types: gate and up (``w13``) and down (``w2``)."""
+
+    graph_safe = False  # the expert loop reads the per-expert token counts on the host
+
+    def __init__(self, w13_types: Sequence[GgmlType], w2_type: GgmlType, prefix: str = ""):
+        self.w13_types = [GgmlType(t) for t in w13_types]
+        self.w2_type = GgmlType(w2_type)
+        self.prefix = prefix
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, inter_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        check_input_split(f"{self.prefix}.down_proj", layer.intermediate_size,
+                          layer.intermediate_size // inter_per_partition, inter_per_partition,
+                          block_shape(self.w2_type)[0])
+        inter = inter_per_partition
+        layer.w13_weight = create_packed((num_experts,), [(inter, t) for t in self.w13_types],
+                                         hidden_size, f"{self.prefix}.w13")  # [E, 2I/tp, H]
+        layer.w2_weight = create_packed((num_experts,), [(hidden_size, self.w2_type)], inter,
+                                        f"{self.prefix}.w2")  # [E, H, I/tp]
+        for p in (layer.w13_weight, layer.w2_weight):
+            set_weight_attrs(p, extra_weight_attrs)
+        self.params_dtype = params_dtype
+
+    def _expert(self, param: torch.nn.Parameter, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s weight ``[out, in]`` dequantized (each part in its own type)."""
+        from cvllm.kernels.quant.reference import dequantize
+
+        layout = param.packed
+        return torch.cat([dequantize(layout.part_tensor(param.data, i)[e], t, dtype)
+                          for i, (_, t) in enumerate(layout.parts)], 0)
+
+    def apply(self, layer, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+        """``hidden [T, H]`` -> ``[T, H]``: the experts that received tokens, one at a time,
+        each dequantized for its matmul (the reference path; a fused quantized MoE kernel is
+        not written yet)."""
+        from cvllm.kernels.reference import moe_act_and_mul, sort_tokens_by_expert
+
+        T, K = topk_ids.shape
+        order, counts = sort_tokens_by_expert(topk_ids, layer.num_experts)
+        out = torch.zeros(T * K, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = order[start:start + n]  # [n] flat (token, slot) pairs
+                x = hidden[rows // K]  # [n, H]
+                h = moe_act_and_mul(F.linear(x, self._expert(layer.w13_weight, e, x.dtype)),
+                                    activation)  # [n, I]
+                out[rows] = F.linear(h, self._expert(layer.w2_weight, e, x.dtype)).float()
+                start += n
+        out = out.view(T, K, -1) * topk_weights.unsqueeze(-1).float()  # [T, K, H]
+        return out.sum(1).to(hidden.dtype)
+
+    def weight_nbytes(self, layer) -> int:
+        return layer.w13_weight.numel() + layer.w2_weight.numel()
+
+    def weight_types(self) -> List[GgmlType]:
+        return self.w13_types + [self.w2_type]
+
+
+def build_quant_config(quant, model_cls) -> Optional[QuantizationConfig]:
+    """The engine's ``QuantConfig`` (plain data) as the model constructor's config."""
+    if quant is None or quant.scheme == "none":
+        return None
+    mapping = model_cls.stacked_params_mapping
+    if quant.scheme == "gguf":
+        return GGUFQuantConfig(tensor_types=quant.tensor_types, stacked_params_mapping=mapping)
+    return GGUFQuantConfig(isq=quant.isq, stacked_params_mapping=mapping)
