@@ -149,16 +149,13 @@ def _add_quantized(model: Any, out: Dict[str, int]) -> None:
     """Weights held by quantization methods (``--isq``, GGUF): their device bytes, and
     their logical sizes as parameters (a tied embedding's method counts once, as the
     head a step reads)."""
-    from cvllm.quantization.base import MoEMethodBase
-
     seen = set()
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None or id(method) in seen:
             continue
         seen.add(id(method))
-        nbytes = (method.weight_nbytes(module) if isinstance(method, MoEMethodBase)
-                  else method.weight_nbytes())
+        nbytes = method.weight_nbytes()
         if not nbytes:
             continue
         out["param_bytes"] += nbytes

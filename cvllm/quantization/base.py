@@ -11,7 +11,7 @@ sharding: parameters carry ``output_dim`` / ``input_dim`` attributes telling the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,13 +67,13 @@ class LinearMethodBase(ABC):
         block; 1 for plain weights)."""
         return 1
 
-    def weight_nbytes(self) -> int:
-        """Device bytes of weights this method holds outside the layer's parameters."""
-        return 0
-
-    def weight_types(self) -> List[Any]:
-        """The stored types of this layer's weights (for the start-up log)."""
+    def weight_breakdown(self) -> List[Tuple[str, int, int]]:
+        """``(stored type, checkpoint tensors, device bytes)`` of the weights this method
+        holds outside the layer's parameters (the start-up log, the benchmarks)."""
         return []
+
+    def weight_nbytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.weight_breakdown())
 
 
 class EmbeddingMethodBase(ABC):
@@ -97,11 +97,11 @@ class EmbeddingMethodBase(ABC):
         """Called once per layer using this method after loading (a tied LM head calls it
         again on the same method: idempotent)."""
 
-    def weight_nbytes(self) -> int:
-        return 0
-
-    def weight_types(self) -> List[Any]:
+    def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         return []
+
+    def weight_nbytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.weight_breakdown())
 
 
 class MoEMethodBase(ABC):
@@ -124,11 +124,12 @@ class MoEMethodBase(ABC):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pass
 
-    def weight_nbytes(self, layer: torch.nn.Module) -> int:
-        return 0
-
-    def weight_types(self) -> List[Any]:
+    def weight_breakdown(self) -> List[Tuple[str, int, int]]:
+        """None: the experts' weights are the layer's parameters."""
         return []
+
+    def weight_nbytes(self) -> int:
+        return 0
 
 
 class QuantizationConfig(ABC):

@@ -140,8 +140,9 @@ class _Prepared:
                 y = y + bias
         return y.reshape(*lead, self.rows)
 
-    def nbytes(self) -> int:
-        return sum(w.nbytes() for _, _, _, w in self.groups)
+    def breakdown(self, parts_per_group: List[int]) -> List[Tuple[str, int, int]]:
+        return [(w.ggml_type.name, n, w.nbytes())
+                for (_, _, _, w), n in zip(self.groups, parts_per_group)]
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -165,6 +166,7 @@ class GGUFLinearMethod(LinearMethodBase):
                              f"{len(output_partition_sizes)} output parts")
         weight = create_packed((), list(zip(output_partition_sizes, types)),
                                input_size_per_partition, self.prefix)
+        self.parts_per_group = [len(ids) for _, _, _, ids in weight.packed.groups()]
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
@@ -180,11 +182,10 @@ class GGUFLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.prepared.linear(x, bias)
 
-    def weight_nbytes(self) -> int:
-        return self.prepared.nbytes() if self.prepared is not None else 0
-
-    def weight_types(self) -> List[GgmlType]:
-        return list(self.part_types)
+    def weight_breakdown(self) -> List[Tuple[str, int, int]]:
+        if self.prepared is None:
+            return []
+        return self.prepared.breakdown(self.parts_per_group)
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
@@ -249,13 +250,11 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
             exact = exact + bias[top]
         return y2.scatter(-1, top, exact.to(y2.dtype)).view(y.shape)
 
-    def weight_nbytes(self) -> int:
+    def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         if self.prepared is None:
-            return 0
-        return self.prepared.nbytes() + (self.exact.nbytes() if self.exact is not None else 0)
-
-    def weight_types(self) -> List[GgmlType]:
-        return [self.t]
+            return []
+        (name, n, nbytes), = self.prepared.breakdown([1])
+        return [(name, n, nbytes + (self.exact.nbytes() if self.exact is not None else 0))]
 
 
 class GGUFMoEMethod(MoEMethodBase):
@@ -311,12 +310,6 @@ class GGUFMoEMethod(MoEMethodBase):
                 start += n
         out = out.view(T, K, -1) * topk_weights.unsqueeze(-1).float()  # [T, K, H]
         return out.sum(1).to(hidden.dtype)
-
-    def weight_nbytes(self, layer) -> int:
-        return layer.w13_weight.numel() + layer.w2_weight.numel()
-
-    def weight_types(self) -> List[GgmlType]:
-        return self.w13_types + [self.w2_type]
 
 
 def build_quant_config(quant, model_cls) -> Optional[QuantizationConfig]:

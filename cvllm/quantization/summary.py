@@ -23,29 +23,26 @@ def weight_summary(model: torch.nn.Module) -> Tuple[Dict[str, Tuple[int, int]], 
         if id(p) in seen:
             continue
         seen.add(id(p))
+        total += p.numel() * p.element_size()
+        layout = getattr(p, "packed", None)
+        if layout is not None:  # a packed parameter (MoE experts): bytes per part type
+            for i, (_, t) in enumerate(layout.parts):
+                per_type[t.name][0] += 1
+                per_type[t.name][1] += layout.part_bytes(i)
+            continue
         name = _DTYPE_NAMES.get(p.dtype, str(p.dtype).replace("torch.", ""))
         per_type[name][0] += 1
         per_type[name][1] += p.numel() * p.element_size()
-        total += p.numel() * p.element_size()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is None or id(method) in seen:
             continue
         seen.add(id(method))
-        nbytes = (method.weight_nbytes(module) if _takes_layer(method) else method.weight_nbytes())
-        types = method.weight_types()
-        for t in types:
-            per_type[t.name][0] += 1
-        if types and nbytes:
-            per_type[types[0].name][1] += nbytes  # bytes are per method, not per part
-        total += nbytes
+        for name, tensors, nbytes in method.weight_breakdown():
+            per_type[name][0] += tensors
+            per_type[name][1] += nbytes
+            total += nbytes
     return {k: (v[0], v[1]) for k, v in per_type.items()}, total
-
-
-def _takes_layer(method) -> bool:
-    from cvllm.quantization.base import MoEMethodBase
-
-    return isinstance(method, MoEMethodBase)
 
 
 def format_summary(per_type: Dict[str, Tuple[int, int]], total: int, device) -> str:
