@@ -23,6 +23,7 @@ from cvllm.loader.lazy import LazyTensor
 from cvllm.models.utils import process_weights_after_loading
 from cvllm.quantization.gguf import GGUFEmbeddingMethod, GGUFLinearMethod, GGUFQuantConfig
 from cvllm.quantization.packed import BlockSplitError
+from tests.layers.test_linear import load
 
 
 @pytest.fixture(autouse=True)
@@ -62,15 +63,6 @@ def gguf_tensor(w: torch.Tensor, t: GgmlType, name="w"):
         dequantize(raw, t)
 
 
-def _load(layer, pname, pieces):
-    param = getattr(layer, pname)
-    for shard_id, tensor in pieces:
-        if shard_id is None:
-            param.weight_loader(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
-
-
 def _config(types):
     return GGUFQuantConfig(tensor_types=types, stacked_params_mapping=[
         (".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
@@ -91,7 +83,7 @@ def test_row_parallel_shards_whole_blocks(as_rank, tp):
         layer = RowParallelLinear(128, 16, bias=False, params_dtype=torch.float32,
                                   quant_config=cfg, prefix="o", reduce_results=False)
         assert isinstance(layer.quant_method, GGUFLinearMethod)
-        _load(layer, "weight", [(None, lazy)])
+        load(layer, weight=[(None, lazy)])
         process_weights_after_loading(layer)
         xs = x.chunk(tp, -1)[rank]
         total = total + layer(xs)
@@ -123,7 +115,7 @@ def test_qkv_with_mixed_part_types(as_rank, tp):
         layer = QKVParallelLinear(hidden, D, H, Hkv, bias=False, params_dtype=torch.float32,
                                   quant_config=cfg, prefix="a.qkv_proj")
         assert layer.quant_method.part_types == [GgmlType.Q4_0, GgmlType.Q4_0, GgmlType.Q8_0]
-        _load(layer, "weight", [("q", lq), ("k", lk), ("v", lv)])
+        load(layer, weight=[("q", lq), ("k", lk), ("v", lv)])
         process_weights_after_loading(layer)
         assert len(layer.quant_method.prepared.groups) == 2
         hq, hk = H // tp, Hkv // tp
@@ -142,7 +134,7 @@ def test_merged_gate_up_float_fallback_is_quantized_on_load(as_rank):
     cfg = GGUFQuantConfig(isq="q8_0", stacked_params_mapping=[])
     layer = MergedColumnParallelLinear(64, [32, 32], bias=False, params_dtype=torch.float32,
                                        quant_config=cfg, prefix="m.gate_up_proj")
-    _load(layer, "weight", [(0, g), (1, u)])
+    load(layer, weight=[(0, g), (1, u)])
     process_weights_after_loading(layer)
     _, gd = gguf_tensor(g, GgmlType.Q8_0)
     _, ud = gguf_tensor(u, GgmlType.Q8_0)
@@ -166,7 +158,7 @@ def test_quantized_embedding_and_tied_head(as_rank, tp):
         assert isinstance(emb.quant_method, GGUFEmbeddingMethod)
         head = ParallelLMHead(V, dim, params_dtype=torch.float32, prefix="head",
                               quant_config=cfg).tie_weights(emb)
-        _load(emb, "weight", [(None, lazy)])
+        load(emb, weight=[(None, lazy)])
         for m in (emb, head):
             m.quant_method.process_weights_after_loading(m)
         emb_sum = emb_sum + emb(ids)
