@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 L2_DEFEAT_BYTES = 512 << 20
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336)}
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
 WARM_ONLY = False
 """``--warm``: call every candidate once (compiling it into Triton's cache), time nothing."""
 
@@ -74,13 +74,24 @@ def _weights(t, n: int, k: int, copies: int):
     return out
 
 
+_GEMV_SWEEP = [  # (BN, BK, num_warps, prefetch) at M = 1
+    (8, 4096, 4, False), (8, 4096, 8, False), (4, 4096, 4, False), (4, 4096, 2, False),
+    (2, 4096, 2, False), (16, 4096, 8, False), (16, 4096, 16, False), (8, 2048, 4, True),
+    (8, 2048, 4, False), (4, 2048, 4, True), (4, 2048, 2, True), (8, 2048, 8, True),
+    (16, 2048, 8, True), (8, 1024, 4, True), (8, 1024, 2, True), (4, 1024, 2, True)]
+_MM64_SWEEP = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT) at M = 64
+    (64, 64, 128, 4, 3, 8, 1), (64, 64, 128, 4, 3, 8, 2), (64, 64, 128, 4, 3, 8, 4),
+    (64, 64, 128, 4, 3, 8, 8), (64, 64, 256, 4, 3, 8, 2), (64, 64, 256, 4, 3, 8, 4),
+    (64, 64, 128, 4, 2, 8, 4), (64, 64, 128, 4, 4, 8, 4), (64, 64, 128, 8, 3, 8, 4),
+    (64, 64, 64, 4, 3, 8, 4), (64, 128, 128, 4, 3, 8, 1), (64, 128, 128, 4, 3, 8, 2),
+    (64, 128, 128, 8, 3, 8, 1), (64, 128, 128, 8, 3, 8, 2), (64, 128, 64, 4, 3, 8, 1),
+    (64, 128, 64, 4, 4, 8, 2), (64, 128, 256, 8, 3, 8, 1), (64, 256, 128, 8, 3, 8, 1)]
+
+
 def candidates(m: int) -> List[tuple]:
     """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows."""
     if m == 1:
-        return [("gemv", c) for c in [
-            (8, 4096, 4, False), (16, 4096, 4, False), (4, 4096, 4, False),
-            (16, 4096, 8, False), (8, 2048, 4, True), (8, 1024, 4, True),
-            (16, 1024, 4, True)]]
+        return [("gemv", c) for c in _GEMV_SWEEP]
     if m == 2:
         return [("gemv", c) for c in [(8, 4096, 4, False), (16, 4096, 4, False),
                                       (8, 2048, 4, True), (16, 2048, 4, True)]] + [
@@ -91,10 +102,7 @@ def candidates(m: int) -> List[tuple]:
             (16, 32, 256, 4, 3, 8, 4), (16, 32, 256, 4, 3, 8, 8), (16, 128, 256, 4, 3, 8, 2),
             (16, 128, 256, 4, 3, 8, 4)]]
     if m <= 64:
-        return [("mm", c) for c in [
-            (64, 64, 128, 4, 3, 8, 2), (64, 64, 128, 4, 3, 8, 4), (64, 64, 256, 4, 3, 8, 2),
-            (64, 64, 256, 4, 3, 8, 4), (64, 128, 128, 4, 3, 8, 1),
-            (64, 128, 128, 4, 3, 8, 2)]] + [("dense", None)]
+        return [("mm", c) for c in _MM64_SWEEP] + [("dense", None)]
     if m <= 256:
         return [("mm", c) for c in [
             (128, 128, 64, 8, 3, 8, 1), (128, 128, 64, 8, 3, 8, 2), (128, 64, 128, 4, 3, 8, 1),

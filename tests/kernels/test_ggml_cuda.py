@@ -223,6 +223,14 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[:3] + (
         plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[-1],) == (16, 64, 256, 4)
     assert plan_mm(64, 28672, 4096, SPECS[GgmlType.Q4_K], 132)[1::5] == (128, 1)
+    q4k, q6k = SPECS[GgmlType.Q4_K], SPECS[GgmlType.Q6_K]
+    assert plan_gemv(1, 6144, 4096, q4k, 132) == (8, 2048, 4, False)
+    assert plan_gemv(1, 28672, 4096, q4k, 132) == (8, 4096, 4, False)
+    assert plan_gemv(1, 128256, 4096, q6k, 132) == (8, 1024, 2, True)
+    assert plan_mm(64, 28672, 4096, q4k, 132)[1:3] == (128, 64)
+    assert plan_mm(64, 128256, 4096, q4k, 132)[1:3] == (128, 128)
+    assert plan_mm(64, 4096, 14336, q4k, 132)[2::4] == (256, 2)
+    assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
 
@@ -251,7 +259,8 @@ def test_every_path_gpu(t):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t,n,k", [(GgmlType.Q4_K, n, k) for n, k in GPU_SHAPES]
-                         + [(GgmlType.Q6_K, 1000, 4352), (GgmlType.Q8_0, 1000, 4352)],
+                         + [(GgmlType.Q4_K, 6144, 4096), (GgmlType.Q6_K, 1000, 4352),
+                            (GgmlType.Q6_K, 33800, 4096), (GgmlType.Q8_0, 1000, 4352)],
                          ids=lambda v: v.name if isinstance(v, GgmlType) else str(v))
 def test_8b_shapes_gpu(t, n, k):
     raw = random_raw(t, n, k, device="cuda")

@@ -21,11 +21,12 @@ number of rows M (``choose_path``):
   fp16 scratch, then cuBLAS.
 
 Measured on an H100 (tools/bench_ggml.py, docs/benchmarks/ggml-h100.json; 8B Llama
-shapes qkv / o_proj / gate_up / down; device-to-device copy 2967 GB/s): Q4_K at one row
-streams 1563 / 1575 / 2141 / 1763 GB/s of its blocks (0.53-0.72 of the copy rate, 0.63
-over the four); Q8_0 2262 / 2368 / 2882 / 2742; at 64 rows a Q4_K layer's four products
-take 210 us against bf16 cuBLAS' 175 (0.83x its throughput; tiles as planned here); at
-2048 rows (prefill) the dense path runs at 0.86-0.90x bf16.
+shapes qkv / o_proj / gate_up / down; device-to-device copy 2955 GB/s): Q4_K at one row
+streams 1863 / 1618 / 2135 / 1764 GB/s of its blocks (0.55-0.72 of the copy rate); Q8_0
+2118 / 2392 / 2888 / 2700; at 64 rows a Q4_K layer's four products take 199 us against
+bf16 cuBLAS' 173 (0.87x its throughput); the Q6_K LM head (128256 x 4096) 187 us at one
+row, 393 us at 64 (bf16 392); at 2048 rows (prefill) the dense path runs at 0.84-0.87x
+bf16.
 
 Numerics: float32 dequantization (one rounding of ``s * q + m``) and float32 accumulation;
 the ``mm`` and ``dense`` paths round the weight to x's dtype before the product (as a
@@ -178,6 +179,13 @@ def _gemv_class(spec: PackSpec) -> str:
     return "q8" if spec.lb == 8 else "q2"
 
 
+def _is_q4k(spec: PackSpec) -> bool:
+    """Q4_K's layout (4-bit, no high plane, 256-element super-blocks of 32-element
+    sub-blocks): the type the tensor-core plan's Q4_K-only choices were measured on."""
+    return spec.lb == 4 and spec.hb == 0 and not spec.lut and spec.superblock == 256 \
+        and spec.sb == 32
+
+
 _GEMV_TILES = {  # class -> (BN at M = 1, BN at M = 2, BK, prefetch)
     "q4": (8, 16, 4096, False), "q6": (8, 16, 2048, True), "q4h": (8, 4, 2048, True),
     "q8": (8, 8, 2048, False), "q2": (8, 4, 2048, False),
@@ -185,7 +193,11 @@ _GEMV_TILES = {  # class -> (BN at M = 1, BN at M = 2, BK, prefetch)
 """The H100 sweep (tools/bench_ggml.py, 8B shapes; Triton 3.6): Q4_K's best at M = 1 was
 (8, 4096) at every shape and (16, 4096) at M = 2; Q6_K's (8, 2048) with the next K step
 prefetched (8-20% faster than one 4096 step), (16, 2048) at M = 2; Q8_0's (8, 2048) at
-M = 1 and 2. The others follow their class (checked only for register spills in the
+M = 1 and 2. Two exceptions at M = 1, from a second H100 sweep: Q4_K halves its K step
+where the grid runs past one wave of 4096-element programs (about 4 an SM) but fits in one
+of 2048 (qkv, N = 6144: 7.9 us against 9.1); Q6_K takes 1024-element steps and 2 warps
+where the grid is many waves deep (the LM head, N = 128256: 187 us against 204). The
+others follow their class (checked only for register spills in the
 sm_90 compile: Q5_* and IQ4_* take BN 4 at M = 2, Q6_K's 16 spills for them; the 2-bit
 types spill past BN 8 at 4096-element steps)."""
 
@@ -198,12 +210,18 @@ def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
     per sub-block: the layout ``ggml_gemv_kernel`` asks its loads for); a ragged last step
     is masked. The row block halves while the grid would leave SMs idle. Fixed by shape:
     one summation order per shape."""
-    bn1, bn2, bk, prefetch = _GEMV_TILES[_gemv_class(spec)]
-    bn = bn2 if m >= 2 else bn1
+    cls = _gemv_class(spec)
+    bn1, bn2, bk, prefetch = _GEMV_TILES[cls]
+    bn, warps = (bn2 if m >= 2 else bn1), 4
     bk = max(spec.sb, min(bk, triton.next_power_of_2(k)))
     while bn > 1 and triton.cdiv(n, bn) < num_sms:
         bn //= 2
-    return bn, bk, 4, prefetch and k > bk
+    programs = triton.cdiv(n, bn)
+    if m == 1 and _is_q4k(spec) and bk == 4096 and 4 * num_sms < programs <= 8 * num_sms:
+        bk = 2048  # past one wave of 4096-element programs, within one of 2048 (qkv)
+    elif m == 1 and cls == "q6" and programs >= 32 * num_sms:
+        bk, warps = 1024, 2  # many waves (the LM head): smaller programs, more resident
+    return bn, bk, warps, prefetch and k > bk
 
 
 def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int
@@ -214,7 +232,10 @@ def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int
     at N = 28672; Q6_K's qkv 15% off); up to 32 rows the same with 32; up to 64 rows 64x64
     with K split 4 ways while the tiles leave SMs idle, else 64x128 unsplit (gate_up);
     more rows 128x64 (the best tensor-core tile at 256 rows; ``choose_path`` sends more
-    than 128 rows to the dense path anyway). A split keeps at least two K steps."""
+    than 128 rows to the dense path anyway). Q4_K at up to 64 rows, from a second sweep:
+    64-element K steps while the 64x128 tiles fit two an SM (gate_up: 97 us against 105),
+    and for a long K that splits (down, K = 14336) 256-element steps split 2 ways (64
+    against 70); Q6_K was best as planned. A split keeps at least two K steps."""
     if m <= 16:
         bm, bn, bk, split = 16, 64, 256, 4
     elif m <= 32:  # not measured: the 16-row tile's shape, a narrower K step for registers
@@ -225,6 +246,10 @@ def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int
         # 3.6's dot-operand pass crashes on their 128-wide tile (checked in the sm_90 compile)
         bn = 128 if triton.cdiv(n, 128) >= num_sms and spec.lb != 2 else 64
         split = 4 if triton.cdiv(n, bn) < num_sms else 1
+        if _is_q4k(spec) and bn == 128 and triton.cdiv(n, bn) <= 2 * num_sms:
+            bk = 64  # Q4_K, N = 28672: two tiles an SM, in one wave
+        elif _is_q4k(spec) and split > 1 and k >= 8192:
+            bk, split = 256, 2  # Q4_K, long K (down): one program an SM
     else:
         bm, bn, bk = 128, 64, 128
         split = 4 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < num_sms else 1
