@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -83,6 +83,13 @@ class AttentionMetadata:
     """Window of the KV cache group whose slot_mapping / block_tables these are."""
     groups: Dict[Optional[int], "AttentionMetadata"] = field(default_factory=dict, repr=False)
     """Every group's view by window (this one included); shared by all views."""
+    host_cache: Dict[Any, Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Per-step values a CPU backend derives once and reuses in every layer (index and
+    mask tensors, cos/sin rows), keyed by their maker. Each view starts with its own
+    (``init=False``: ``dataclasses.replace`` leaves it fresh), as group views differ in
+    block tables; it dies with the step's metadata."""
 
     @property
     def num_seqs(self) -> int:

@@ -30,6 +30,17 @@ def _use_triton(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.
             and (residual is None or residual.dtype == x.dtype))
 
 
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype)``, xf = float32 x.
+    ``F.rms_norm`` computes the same ops in the same order in one call (a third of the
+    time of five Python-level ops); the weight goes inside only when nothing would be
+    rounded between the norm and the multiply (all float32)."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
@@ -64,10 +75,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        xf = x.float()
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        out = self.weight * (xf * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+        out = _rms_norm_cpu(x, self.weight, self.variance_epsilon)  # [..., hidden]
         return out if residual is None else (out, residual)
 
     def extra_repr(self) -> str:

@@ -63,6 +63,7 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         self.mscale = 1.0
         self.cos_sin_cache = self._compute_cos_sin_cache()  # [max_pos, rotary_dim] float32
+        self._rows_memo: Optional[tuple] = None  # see _neox_rows
 
     def _base_inv_freq(self, base: float) -> torch.Tensor:
         exponent = (
@@ -93,10 +94,43 @@ class RotaryEmbedding(nn.Module):
 
             return rotary_embedding(positions.reshape(-1), query, key, self.cos_sin_cache,
                                     self.head_size, self.is_neox_style)
+        if self.is_neox_style and self.rotary_dim == self.head_size:
+            return self._rotate_neox_full(positions, query, key)
         cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))  # [T, rotary_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
         query = self._rotate(query, cos, sin)
         return query, (self._rotate(key, cos, sin) if key is not None else None)
+
+    def _rotate_neox_full(
+        self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The CPU rotate-half over whole heads in few ops: ``x * [cos|cos] +
+        [x2|x1] * [-sin|sin]`` is bit-equal to ``_rotate`` (``a + -b == a - b``). q and k
+        that are adjacent views of one fused projection are rotated as one tensor."""
+        cos, sin = self._neox_rows(positions, query.dtype)  # [T, 1, head_size] each
+        both = _adjacent(query, key) if key is not None else None
+        if both is None:
+            k_rot = None if key is None else _rotate_half(key, cos, sin, self.head_size)
+            return _rotate_half(query, cos, sin, self.head_size), k_rot
+        out = _rotate_half(both, cos, sin, self.head_size)  # [T, (Hq + Hk) * head_size]
+        q_rot, k_rot = out.split([query.shape[1], key.shape[1]], dim=1)  # 2-D, as given
+        return q_rot, k_rot
+
+    def _neox_rows(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``([cos|cos], [-sin|sin])`` rows ``[T, 1, head_size]`` at ``positions`` in
+        ``dtype``. Every layer of a step shares this module and asks for the same positions,
+        so the last answer is kept, keyed by a copy of the positions (compared by value:
+        one cheap op, safe against reused or refilled position tensors)."""
+        pos = positions.reshape(-1)  # [T]
+        memo = self._rows_memo
+        if (memo is not None and memo[1] == dtype and memo[0].device == pos.device
+                and torch.equal(memo[0], pos)):
+            return memo[2], memo[3]
+        cos, sin = self.cos_sin_cache.index_select(0, pos).to(dtype).chunk(2, dim=-1)
+        cos2 = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, head_size]
+        sin2 = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
+        self._rows_memo = (pos.clone(), dtype, cos2, sin2)
+        return cos2, sin2
 
     def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:
         """This rotation at ``positions``, for an attention backend that applies it with
@@ -130,6 +164,28 @@ class RotaryEmbedding(nn.Module):
             f"max_position={self.max_position_embeddings}, base={self.base}, "
             f"neox={self.is_neox_style}"
         )
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int):
+    """``x [T, heads * head_size]`` (or ``[T, heads, head_size]``) rotated by the
+    ``[T, 1, head_size]`` rows of ``_neox_rows``; returns a new tensor of x's shape."""
+    xh = x.reshape(x.shape[0], -1, head_size)  # [T, heads, head_size]
+    x1, x2 = xh.chunk(2, dim=-1)
+    return (xh * cos + torch.cat([x2, x1], dim=-1) * sin).reshape(x.shape)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """One ``[T, (Hq + Hk) * D]`` view over q and k when k's columns directly follow q's
+    in memory (the split of a fused QKV projection); None otherwise."""
+    if q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype or q.shape[0] != k.shape[0]:
+        return None
+    if q.stride(1) != 1 or k.stride(1) != 1 or q.stride(0) != k.stride(0):
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
+        return None
+    if q.shape[1] + k.shape[1] > q.stride(0) and q.shape[0] > 1:
+        return None  # rows would overlap
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):

@@ -63,9 +63,14 @@ def forward(
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
     write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
-    out = torch.empty_like(q)  # [T, H, D]
-    out[n:].zero_()
     opts = _Opts(scale, sliding_window, softcap)
+    if n == q.shape[0] and meta.num_decodes == meta.num_seqs:
+        plan = _decode_plan(meta, q, k_cache, opts)
+        if len(plan) == 1:  # the usual decode step: one SDPA call's output is the answer
+            return _decode_group(q, k_cache, v_cache, plan[0], opts)
+    out = torch.empty_like(q)  # [T, H, D]
+    if n < q.shape[0]:
+        out[n:].zero_()
     _decode(q, k_cache, v_cache, meta, opts, out)
     _prefill(q, k_cache, v_cache, meta, opts, out)
     return out
@@ -80,17 +85,47 @@ class _Opts:
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, opts: _Opts, out: torch.Tensor) -> None:
     """Leading one-token sequences: sequence ``b`` owns token ``b``."""
-    nd = meta.num_decodes
-    if nd == 0:
+    if meta.num_decodes == 0:
         return
-    h, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    for group in _decode_plan(meta, q, k_cache, opts):
+        out[group[0] : group[1]] = _decode_group(q, k_cache, v_cache, group, opts)
+
+
+def _decode_group(q, k_cache, v_cache, group: tuple, opts: _Opts) -> torch.Tensor:
+    """One planned group of decode sequences -> ``[Bg, H, D]``."""
+    b0, b1, idx, L, visible = group
+    kk, vv = _gather_rows(k_cache, idx, b1 - b0, L), _gather_rows(v_cache, idx, b1 - b0, L)
+    return _attend_visible(q[b0:b1].unsqueeze(1), kk, vv, visible, opts)[:, 0]  # [Bg, H, D]
+
+
+def _decode_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+                 opts: _Opts) -> list:
+    """``[(b0, b1, block_ids [Bg*nb], L, visible [Bg, 1, L] or None)]`` of the decode
+    groups. The same for every layer of the step, so built once and kept in
+    ``meta.host_cache`` (a layer's per-step ops, not its FLOPs, dominate small models on
+    the CPU). ``visible`` is None when every key of the padded context is visible: then
+    SDPA takes its unmasked path."""
+    h, kv_row, bs = q.shape[1], k_cache.shape[2] * k_cache.shape[3], k_cache.shape[1]
+    window = opts.sliding_window
+    key = ("torch_ref.decode", h, kv_row, bs, window, MAX_ELEMS)
+    plan = meta.host_cache.get(key)
+    if plan is not None:
+        return plan
+    nd, plan = meta.num_decodes, []
     seq_lens = meta.seq_lens_cpu[:nd]
-    for b0, b1 in _plan_groups(seq_lens, [1] * nd, h, hkv * d):
+    for b0, b1 in _plan_groups(seq_lens, [1] * nd, h, kv_row):
         L = int(seq_lens[b0:b1].max())
-        bt = meta.block_tables[b0:b1]
-        kk, vv = _gather_kv(k_cache, bt, L), _gather_kv(v_cache, bt, L)  # [Bg, L, Hkv, D]
-        qpos = (meta.seq_lens[b0:b1].long() - 1).unsqueeze(1)  # [Bg, 1]
-        out[b0:b1] = _attend(q[b0:b1].unsqueeze(1), kk, vv, qpos, opts)[:, 0]  # [Bg, H, D]
+        nb = -(-L // bs)
+        _check_blocks(meta.block_tables, nb, L)
+        idx = meta.block_tables[b0:b1, :nb].reshape(-1)  # [Bg*nb]
+        visible = None
+        if int(seq_lens[b0:b1].min()) < L or (window is not None and L > window):
+            kpos = torch.arange(L, device=idx.device)  # [L]
+            qp = (meta.seq_lens[b0:b1].long() - 1).view(-1, 1, 1)  # [Bg, 1, 1]
+            visible = _visible(kpos, qp, window)  # [Bg, 1, L]
+        plan.append((b0, b1, idx, L, visible))
+    meta.host_cache[key] = plan
+    return plan
 
 
 def _prefill(q, k_cache, v_cache, meta: AttentionMetadata, opts: _Opts, out: torch.Tensor) -> None:
@@ -155,17 +190,34 @@ def _prefill_group(
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, L: int) -> torch.Tensor:
     """The first ``L`` cached tokens of each row's sequence: ``[B, L, Hkv, D]``."""
-    B, bs = block_tables.shape[0], cache.shape[1]
-    nb = -(-L // bs)
+    nb = -(-L // cache.shape[1])
+    _check_blocks(block_tables, nb, L)
+    idx = block_tables[:, :nb].reshape(-1)  # [B*nb]
+    return _gather_rows(cache, idx, block_tables.shape[0], L)
+
+
+def _check_blocks(block_tables: torch.Tensor, nb: int, L: int) -> None:
     if nb > block_tables.shape[1]:
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns, {nb} needed for {L} tokens"
         )
-    idx = block_tables[:, :nb].reshape(-1)  # [B*nb]
+
+
+def _gather_rows(cache: torch.Tensor, idx: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """Blocks ``idx [B*nb]`` (``nb`` per row) cut to their first ``L`` tokens:
+    ``[B, L, Hkv, D]``, dequantized to float32 for FP8 caches."""
     g = cache.index_select(0, idx)  # [B*nb, bs, Hkv, D]
     if g.dtype == torch.float8_e4m3fn:
         g = dequantize_kv_ref(g, kv_scales(cache))  # float32
-    return g.view(B, nb * bs, cache.shape[2], cache.shape[3])[:, :L]  # [B, L, Hkv, D]
+    return g.view(B, -1, cache.shape[2], cache.shape[3])[:, :L]  # [B, L, Hkv, D]
+
+
+def _visible(kpos: torch.Tensor, qp: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Key ``j`` is visible to a query at ``qp`` iff ``j <= qp`` (and within the window)."""
+    visible = kpos <= qp  # broadcast of kpos [L] and qp [..., 1]
+    if window is not None:
+        visible &= kpos > qp - window
+    return visible
 
 
 def _attend(
@@ -175,19 +227,27 @@ def _attend(
     qpos: torch.Tensor,  # [B, Q] position of each query; key j is visible iff j <= qpos
     opts: _Opts,
 ) -> torch.Tensor:
-    """Masked attention in float32 -> ``[B, Q, H, D]`` in q's dtype. Without a softcap this
+    """Causally masked attention in float32 -> ``[B, Q, H, D]`` in q's dtype."""
+    kpos = torch.arange(k.shape[1], device=q.device)
+    visible = _visible(kpos, qpos.unsqueeze(-1), opts.sliding_window)  # [B, Q, L]
+    return _attend_visible(q, k, v, visible, opts)
+
+
+def _attend_visible(
+    q: torch.Tensor,  # [B, Q, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    visible: Optional[torch.Tensor],  # [B, Q, L] bool; None: every key visible
+    opts: _Opts,
+) -> torch.Tensor:
+    """Attention in float32 -> ``[B, Q, H, D]`` in q's dtype. Without a softcap this
     is one SDPA call (its fused CPU / CUDA kernels are several times faster than matmuls on
     permuted views); a softcap must act on the raw scores, so it takes explicit matmuls."""
-    L = k.shape[1]
-    kpos = torch.arange(L, device=q.device)
-    qp = qpos.unsqueeze(-1)  # [B, Q, 1]
-    visible = kpos <= qp  # [B, Q, L]
-    if opts.sliding_window is not None:
-        visible &= kpos > qp - opts.sliding_window
     qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, heads, Q or L, D]
     if opts.softcap is None:
+        mask = None if visible is None else visible.unsqueeze(1)  # [B, 1, Q, L]
         o = F.scaled_dot_product_attention(
-            qf, kf, vf, attn_mask=visible.unsqueeze(1), scale=opts.scale, enable_gqa=True
+            qf, kf, vf, attn_mask=mask, scale=opts.scale, enable_gqa=True
         )  # [B, H, Q, D]
     else:
         o = _attend_softcap(qf, kf, vf, visible, opts)
@@ -201,7 +261,8 @@ def _attend_softcap(qf, kf, vf, visible: torch.Tensor, opts: _Opts) -> torch.Ten
     qg = qf.reshape(B, Hkv, G * Q, D)  # [B, Hkv, G*Q, D]: heads h = kv * G + g
     s = torch.matmul(qg, kf.transpose(2, 3)).view(B, Hkv, G, Q, L) * opts.scale  # [B, Hkv, G, Q, L]
     s = torch.tanh(s / opts.softcap) * opts.softcap
-    s.masked_fill_(~visible[:, None, None], float("-inf"))
+    if visible is not None:
+        s.masked_fill_(~visible[:, None, None], float("-inf"))
     p = torch.softmax(s, dim=-1).view(B, Hkv, G * Q, L)
     return torch.matmul(p, vf).view(B, H, Q, D)  # [B, H, Q, D]
 

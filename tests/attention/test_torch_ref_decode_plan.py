@@ -1,0 +1,49 @@
+"""The torch reference backend's per-step decode plan (``_decode_plan``): built once per
+metadata, shared by every layer, and right with and without a mask."""
+
+import math
+
+import pytest
+import torch
+
+from cvllm.attention.backends import torch_ref
+from tests.attention.test_torch_ref_attention import make_batch, naive_attention
+
+
+def _check(seqs, seed, **opts):
+    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed)
+    scale = 1 / math.sqrt(16)
+    out = torch_ref.forward(q, k, v, kc, vc, meta, scale, **opts)
+    torch.testing.assert_close(out.double(), naive_attention(q, fk, fv, seqs, scale, **opts),
+                               atol=1e-5, rtol=1e-5)
+    return meta
+
+
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 4}, {"sliding_window": 64},
+                                  {"softcap": 3.0}])
+def test_equal_length_decodes_take_the_unmasked_plan(opts):
+    meta = _check([(11, 1), (11, 1), (11, 1)], seed=7, **opts)
+    (plan,) = [p for key, p in meta.host_cache.items() if key[0] == "torch_ref.decode"]
+    (group,) = plan
+    window = opts.get("sliding_window")
+    assert (group[4] is None) == (window is None or window >= 12)
+
+
+def test_one_plan_serves_every_layer_of_the_step():
+    """Two 'layers' (own caches and queries, same metadata): the second reuses the plan."""
+    seqs = [(9, 1), (3, 1), (17, 1)]
+    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed=8)
+    caches2 = (kc.clone(), vc.clone())
+    for qq, (kcl, vcl) in ((q, (kc, vc)), (torch.randn_like(q), caches2)):
+        out = torch_ref.forward(qq, k, v, kcl, vcl, meta, 0.25)
+        torch.testing.assert_close(out.double(), naive_attention(qq, fk, fv, seqs, 0.25),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(meta.host_cache) == 1
+
+
+def test_group_views_keep_their_own_cache():
+    meta = _check([(5, 1), (9, 1)], seed=10)
+    assert meta.host_cache
+    import dataclasses
+
+    assert dataclasses.replace(meta).host_cache == {}
