@@ -189,7 +189,10 @@ def _quant_config(source, isq: Optional[str], dequantize: bool) -> QuantConfig:
     slow: Dict[str, int] = {}
     for t in types.values():
         if t not in QUANTIZED_TYPES and t not in FLOAT_TYPES:
-            name = GgmlType(t).name if t in GgmlType._value2member_map_ else str(t)
+            try:
+                name = GgmlType(t).name
+            except ValueError:
+                name = f"id {t}"
             slow[name] = slow.get(name, 0) + 1
     for name, n in sorted(slow.items()):
         logger.warning("%d tensor(s) of type %s: cvllm has no kernels for it, so they are "

@@ -27,7 +27,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from cvllm.kernels.quant.backend import GgmlWeight, RawWeight, ReferenceBackend, backend_for
+from cvllm.kernels.quant.backend import (
+    GgmlBackend, GgmlWeight, RawWeight, ReferenceBackend, backend_for,
+)
 from cvllm.kernels.quant.ggml_types import (
     FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, block_shape, parse_isq,
 )
@@ -46,6 +48,14 @@ _FALLBACK = {GgmlType.Q2_K: GgmlType.Q4_0, GgmlType.Q3_K: GgmlType.Q4_0,
              GgmlType.Q6_K: GgmlType.Q8_0}
 """llama.cpp's choice for rows that are not whole 256-blocks."""
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
+
+
+def _kept(types: List[Optional[GgmlType]]) -> Optional[List[GgmlType]]:
+    """``types`` when a layer made of tensors of these types stays quantized: every one has
+    kernels (or is float) and at least one is quantized; else None (a float layer)."""
+    if all(t in KEPT_TYPES for t in types) and not all(t in FLOAT_TYPES for t in types):
+        return types
+    return None
 
 
 class GGUFQuantConfig(QuantizationConfig):
@@ -84,9 +94,7 @@ class GGUFQuantConfig(QuantizationConfig):
             if any(n not in self.tensor_types for _, n in parts):
                 return None
             types = [self.tensor_types[n] for _, n in parts]
-        if all(t in FLOAT_TYPES for t in types) or not all(t in KEPT_TYPES for t in types):
-            return None
-        return types
+        return _kept(types)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         types = self.part_types(prefix, layer.input_size)
@@ -105,44 +113,38 @@ class GGUFQuantConfig(QuantizationConfig):
                 return None
             return GGUFMoEMethod([t13[0], t13[0]], t2[0], prefix)
         names = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-        types = [self.tensor_types.get(n) for n in names]
-        if any(t not in KEPT_TYPES for t in types) or all(t in FLOAT_TYPES for t in types):
-            return None
-        return GGUFMoEMethod(types[:2], types[2], prefix)
+        types = _kept([self.tensor_types.get(n) for n in names])
+        return GGUFMoEMethod(types[:2], types[2], prefix) if types else None
 
 
 class _Prepared:
-    """The backend's weights of one layer: ``(first row, rows, backend, weight)`` per run
-    of same-type output rows (usually one)."""
+    """The backend's weights of one layer: ``(backend, weight, checkpoint parts)`` per run
+    of same-type output rows, in row order (usually one run)."""
 
-    def __init__(self):
-        self.groups: List[Tuple[int, int, object, GgmlWeight]] = []
-        self.rows = 0
-
-    def build(self, param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    def __init__(self, param: torch.nn.Parameter, dtype: torch.dtype):
         layout = param.packed
-        for first, rows, t, ids in layout.groups():
+        self.rows = layout.rows
+        self.groups: List[Tuple[GgmlBackend, GgmlWeight, int]] = []
+        for _, _, t, ids in layout.groups():
             parts = [layout.part_tensor(param.data, i) for i in ids]
             raw = parts[0] if len(parts) == 1 else torch.cat(parts, 0)  # [rows, row bytes]
             backend = backend_for(param.device, t, dtype)
-            self.groups.append((first, rows, backend, backend.prepare(raw.contiguous(), t, dtype)))
-        self.rows = layout.rows
+            self.groups.append((backend, backend.prepare(raw.contiguous(), t, dtype), len(ids)))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if len(self.groups) == 1:
-            _, _, backend, w = self.groups[0]
+            backend, w, _ = self.groups[0]
             y = backend.linear(x2, w, bias)  # [M, N]
         else:
-            y = torch.cat([b.linear(x2, w) for _, _, b, w in self.groups], dim=-1)  # [M, N]
+            y = torch.cat([b.linear(x2, w) for b, w, _ in self.groups], dim=-1)  # [M, N]
             if bias is not None:
                 y = y + bias
         return y.reshape(*lead, self.rows)
 
-    def breakdown(self, parts_per_group: List[int]) -> List[Tuple[str, int, int]]:
-        return [(w.ggml_type.name, n, w.nbytes())
-                for (_, _, _, w), n in zip(self.groups, parts_per_group)]
+    def breakdown(self) -> List[Tuple[str, int, int]]:
+        return [(w.ggml_type.name, n, w.nbytes()) for _, w, n in self.groups]
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -166,7 +168,6 @@ class GGUFLinearMethod(LinearMethodBase):
                              f"{len(output_partition_sizes)} output parts")
         weight = create_packed((), list(zip(output_partition_sizes, types)),
                                input_size_per_partition, self.prefix)
-        self.parts_per_group = [len(ids) for _, _, _, ids in weight.packed.groups()]
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
@@ -175,8 +176,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if self.prepared is not None:
             return
-        self.prepared = _Prepared()
-        self.prepared.build(layer.weight, self.params_dtype)
+        self.prepared = _Prepared(layer.weight, self.params_dtype)
         layer.weight = None  # the backend's weights replace the file's bytes
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -185,7 +185,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         if self.prepared is None:
             return []
-        return self.prepared.breakdown(self.parts_per_group)
+        return self.prepared.breakdown()
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
@@ -217,9 +217,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         if self.prepared is None:
-            self.prepared = _Prepared()
-            self.prepared.build(layer.weight, self.params_dtype)
-            _, _, backend, _ = self.prepared.groups[0]
+            self.prepared = _Prepared(layer.weight, self.params_dtype)
+            backend, _, _ = self.prepared.groups[0]
             if not backend.exact(self.params_dtype):
                 raw = layer.weight.packed.part_tensor(layer.weight.data, 0)
                 self.exact = ReferenceBackend().prepare(raw.clone(), self.t, self.params_dtype)
@@ -228,7 +227,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def embedding(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if self.exact is not None:
             return ReferenceBackend().embedding(self.exact, ids, self.params_dtype)
-        _, _, backend, w = self.prepared.groups[0]
+        backend, w, _ = self.prepared.groups[0]
         return backend.embedding(w, ids, self.params_dtype)  # [T, hidden]
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -253,7 +252,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         if self.prepared is None:
             return []
-        (name, n, nbytes), = self.prepared.breakdown([1])
+        (name, n, nbytes), = self.prepared.breakdown()
         return [(name, n, nbytes + (self.exact.nbytes() if self.exact is not None else 0))]
 
 
