@@ -54,6 +54,11 @@ def _model_options(f: Callable) -> Callable:
         click.option("--dequantize", is_flag=True,
                      help="Dequantize a GGUF file's weights to --dtype at load instead of "
                           "keeping them quantized (comparisons; more memory, slower)."),
+        click.option("--cpu-dense-gb", type=float, default=None,
+                     help="CPU: GiB of bf16 copies kept beside two-plane quantized "
+                          "weights (Q5_*, Q8_0, IQ4, Q2_K/Q3_K) for decode batches of 3+ "
+                          "rows. Default: a quarter of the free memory where the CPU has "
+                          "AMX, else 0; 0 turns them off."),
         click.option("--fp8-kvcache", is_flag=True,
                      help="Keep attention K/V in FP8 e4m3 with per-layer scales: half the "
                           "KV memory of bf16."),
@@ -137,6 +142,7 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
         disable_cuda_graph=kw.get("disable_cuda_graph", False),
         fp8_kvcache=kw.get("fp8_kvcache", False),
         isq=kw.get("isq"), dequantize=kw.get("dequantize", False),
+        cpu_dense_gb=kw.get("cpu_dense_gb"),
         attention_backend=kw.get("attention_backend") or "auto",
         sampling_overrides={k: kw.get(k) for k in DEFAULTABLE_SAMPLING_KEYS},
     )

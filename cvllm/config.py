@@ -7,6 +7,7 @@ metadata; the others come from command-line flags. All ranks hold identical copi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -163,6 +164,10 @@ class QuantConfig:
     """``gguf``: GGML type id of each checkpoint tensor, by its HF name."""
     isq: Optional[str] = None
     """``isq``: the ``--isq`` type name (``q4k``, ``q8_0``, ...)."""
+    cpu_dense_gib: Optional[float] = None
+    """``--cpu-dense-gb``: GiB of bf16 copies of quantized weights a CPU rank may keep for
+    decode batches (``quantization/gguf.py``: ``BatchCopyBudget``); None: auto (a quarter
+    of the free memory on CPUs with AMX, else none), 0: never."""
 
     def __post_init__(self) -> None:
         if self.scheme not in QUANT_SCHEMES:
@@ -170,6 +175,10 @@ class QuantConfig:
                               f"got {self.scheme!r}")
         if (self.scheme == "isq") != (self.isq is not None):
             raise ConfigError("an isq type goes with the isq scheme only")
+        if self.cpu_dense_gib is not None and not (math.isfinite(self.cpu_dense_gib)
+                                                   and self.cpu_dense_gib >= 0):
+            raise ConfigError(f"--cpu-dense-gb must be a number >= 0 (0: no copies), "
+                              f"got {self.cpu_dense_gib}")
 
 
 @dataclass

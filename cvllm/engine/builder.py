@@ -116,7 +116,7 @@ def build_engine_config(
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
     disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
-    isq: Optional[str] = None, dequantize: bool = False,
+    isq: Optional[str] = None, dequantize: bool = False, cpu_dense_gb: Optional[float] = None,
     *, tp_size: int = 1, device: Optional[DeviceConfig] = None,
 ) -> EngineSetup:
     """Check every option and read the model's config (no weights): the same on every
@@ -162,17 +162,21 @@ def build_engine_config(
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
         served_model_name=served_model_name or _default_name(source),
         defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
-        attention_backend=attention_backend, quant=_quant_config(source, isq, dequantize),
+        attention_backend=attention_backend,
+        quant=_quant_config(source, isq, dequantize, cpu_dense_gb),
     )
     return EngineSetup(config, source, defaults)
 
 
-def _quant_config(source, isq: Optional[str], dequantize: bool) -> QuantConfig:
+def _quant_config(source, isq: Optional[str], dequantize: bool,
+                  cpu_dense_gb: Optional[float] = None) -> QuantConfig:
     """Which weights stay quantized: a GGUF file's blocks (unless ``--dequantize``), or
     ``--isq`` on a Hugging Face folder. Types without kernels are dequantized at load, with
     one warning per type."""
     from cvllm import loader
     from cvllm.kernels.quant.ggml_types import FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, parse_isq
+
+    QuantConfig(cpu_dense_gib=cpu_dense_gb)  # check the flag whatever the weights are
 
     if isq is not None:
         if source.kind == "gguf":
@@ -182,7 +186,7 @@ def _quant_config(source, isq: Optional[str], dequantize: bool) -> QuantConfig:
             parse_isq(isq)
         except ValueError as e:
             raise ConfigError(f"--isq: {e}") from None
-        return QuantConfig(scheme="isq", isq=isq)
+        return QuantConfig(scheme="isq", isq=isq, cpu_dense_gib=cpu_dense_gb)
     if source.kind != "gguf" or dequantize:
         return QuantConfig()
     types = loader.gguf_tensor_types(source.path)
@@ -197,7 +201,7 @@ def _quant_config(source, isq: Optional[str], dequantize: bool) -> QuantConfig:
     for name, n in sorted(slow.items()):
         logger.warning("%d tensor(s) of type %s: cvllm has no kernels for it, so they are "
                        "dequantized to the model dtype at load", n, name)
-    return QuantConfig(scheme="gguf", tensor_types=types)
+    return QuantConfig(scheme="gguf", tensor_types=types, cpu_dense_gib=cpu_dense_gb)
 
 
 def build_llm_engine(*, rank: int = 0, tp_size: int = 1, device: Optional[DeviceConfig] = None,

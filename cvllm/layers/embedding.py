@@ -133,6 +133,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding's prepared rows serve as the head's weight too."""
         self.weight = embed_tokens.weight
         self.quant_method = embed_tokens.quant_method
+        self.quant_method.tie_as_head()
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,10 @@ class EmbeddingMethodBase(ABC):
         """Called once per layer using this method after loading (a tied LM head calls it
         again on the same method: idempotent)."""
 
+    def tie_as_head(self) -> None:
+        """This embedding's method now also multiplies as the LM head (tied embeddings,
+        before loading); a method that prepares differently for a head hears it here."""
+
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         return []
 
@@ -150,3 +154,8 @@ class QuantizationConfig(ABC):
     def get_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional["MoEMethodBase"]:
         """The method of a fused MoE layer's experts, or None for plain weights."""
         return None
+
+    def loaded_note(self) -> str:
+        """A line for the start-up log once the weights are loaded (copies the methods
+        kept, ...); empty for none."""
+        return ""

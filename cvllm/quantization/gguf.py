@@ -17,6 +17,12 @@ Which type each layer gets:
 - ``isq``: every linear and MoE expert at the ``--isq`` type, the token embedding too; the
   LM head at Q6_K (Q8_0 for ``q8_0``) as llama.cpp keeps ``output.weight``. A row length
   that is not whole blocks of the type takes llama.cpp's fallback (Q4_K -> Q5_0, ...).
+
+Batch copies (``BatchCopyBudget``, ``--cpu-dense-gb``): a backend may keep a float copy
+beside a weight's blocks that multiplies batches faster (the CPU's bf16 copy for decode
+batches of a few rows and up, where the CPU has AMX). The copies are granted in loading
+order until the budget runs out; the rest of the weights multiply every batch from their
+blocks.
 """
 
 from __future__ import annotations
@@ -58,17 +64,69 @@ def _kept(types: List[Optional[GgmlType]]) -> Optional[List[GgmlType]]:
     return None
 
 
+class BatchCopyBudget:
+    """Bytes the backends may spend on float copies for batched calls, granted first come
+    first served (one budget per rank)."""
+
+    def __init__(self, nbytes: int):
+        self.left = max(0, int(nbytes))
+        self.granted = [0, 0]  # weights, bytes
+        self.refused = [0, 0]
+
+    def take(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` fits (and is then counted as kept)."""
+        if nbytes <= 0:
+            return False
+        if nbytes > self.left:
+            self.refused[0] += 1
+            self.refused[1] += nbytes
+            return False
+        self.left -= nbytes
+        self.granted[0] += 1
+        self.granted[1] += nbytes
+        return True
+
+    def note(self) -> str:
+        if not self.granted[0] and not self.refused[0]:
+            return ""
+        line = (f"batch copies: {self.granted[0]} weights kept a bf16 copy for decode "
+                f"batches ({self.granted[1] / 2**20:.0f} MiB, counted above)")
+        if self.refused[0]:
+            line += (f"; {self.refused[0]} did not fit the budget "
+                     f"({self.refused[1] / 2**20:.0f} MiB more; raise --cpu-dense-gb)")
+        return line
+
+
+def batch_copy_budget(setting_gib: Optional[float]) -> int:
+    """``--cpu-dense-gb`` in bytes; None (auto): a quarter of the memory available now where
+    the copies pay (``ggml_cpu.batch_copy_pays``: AMX), else none."""
+    if setting_gib is not None:
+        return int(setting_gib * 2**30)
+    from cvllm.kernels.quant.ggml_cpu import batch_copy_pays
+
+    if not batch_copy_pays():
+        return 0
+    import psutil
+
+    return psutil.virtual_memory().available // 4
+
+
 class GGUFQuantConfig(QuantizationConfig):
     """Per-layer GGML types, from a GGUF file's tensor types or from ``--isq``."""
 
     def __init__(self, tensor_types: Optional[Dict[str, int]] = None,
                  isq: Optional[str] = None,
-                 stacked_params_mapping: Sequence[Tuple[str, str, object]] = ()):
+                 stacked_params_mapping: Sequence[Tuple[str, str, object]] = (),
+                 batch_copy_bytes: int = 0):
         if (tensor_types is None) == (isq is None):
             raise ValueError("give the GGUF tensor types or an --isq type, not both")
         self.tensor_types = {k: GgmlType(v) for k, v in (tensor_types or {}).items()}
         self.isq = parse_isq(isq) if isq is not None else None
         self.mapping = list(stacked_params_mapping)
+        self.budget = BatchCopyBudget(batch_copy_bytes)
+
+    def loaded_note(self) -> str:
+        return self.budget.note()
 
     def get_name(self) -> str:
         return "gguf" if self.isq is None else f"isq:{self.isq.name}"
@@ -98,12 +156,14 @@ class GGUFQuantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         types = self.part_types(prefix, layer.input_size)
-        return GGUFLinearMethod(types, prefix) if types else None
+        return GGUFLinearMethod(types, prefix, self.budget) if types else None
 
     def get_embedding_method(self, layer: torch.nn.Module, prefix: str,
                              is_lm_head: bool) -> Optional[EmbeddingMethodBase]:
         types = self.part_types(prefix, layer.embedding_dim, head=is_lm_head)
-        return GGUFEmbeddingMethod(types[0], prefix) if types and len(types) == 1 else None
+        if not types or len(types) != 1:
+            return None
+        return GGUFEmbeddingMethod(types[0], prefix, self.budget, is_lm_head)
 
     def get_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[MoEMethodBase]:
         if self.isq is not None:
@@ -121,7 +181,8 @@ class _Prepared:
     """The backend's weights of one layer: ``(backend, weight, checkpoint parts)`` per run
     of same-type output rows, in row order (usually one run)."""
 
-    def __init__(self, param: torch.nn.Parameter, dtype: torch.dtype):
+    def __init__(self, param: torch.nn.Parameter, dtype: torch.dtype,
+                 budget: Optional[BatchCopyBudget] = None):
         layout = param.packed
         self.rows = layout.rows
         self.groups: List[Tuple[GgmlBackend, GgmlWeight, int]] = []
@@ -129,7 +190,10 @@ class _Prepared:
             parts = [layout.part_tensor(param.data, i) for i in ids]
             raw = parts[0] if len(parts) == 1 else torch.cat(parts, 0)  # [rows, row bytes]
             backend = backend_for(param.device, t, dtype)
-            self.groups.append((backend, backend.prepare(raw.contiguous(), t, dtype), len(ids)))
+            shape = (raw.shape[0], raw.shape[1] // block_shape(t)[1] * block_shape(t)[0])
+            copy = budget is not None and budget.take(backend.batch_copy_bytes(t, shape))
+            weight = backend.prepare(raw.contiguous(), t, dtype, batch_copy=copy)
+            self.groups.append((backend, weight, len(ids)))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -150,9 +214,11 @@ class _Prepared:
 class GGUFLinearMethod(LinearMethodBase):
     """A linear whose output parts are GGML-typed rows (``part_types``, in order)."""
 
-    def __init__(self, part_types: Sequence[GgmlType], prefix: str = ""):
+    def __init__(self, part_types: Sequence[GgmlType], prefix: str = "",
+                 budget: Optional[BatchCopyBudget] = None):
         self.part_types = [GgmlType(t) for t in part_types]
         self.prefix = prefix
+        self.budget = budget
         self.prepared: Optional[_Prepared] = None
 
     def input_granularity(self) -> int:
@@ -176,7 +242,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if self.prepared is not None:
             return
-        self.prepared = _Prepared(layer.weight, self.params_dtype)
+        self.prepared = _Prepared(layer.weight, self.params_dtype, self.budget)
         layer.weight = None  # the backend's weights replace the file's bytes
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -200,9 +266,14 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     REFINE_TOP = 16
 
-    def __init__(self, t: GgmlType, prefix: str = ""):
+    def __init__(self, t: GgmlType, prefix: str = "", budget: Optional[BatchCopyBudget] = None,
+                 is_head: bool = False):
         self.t = GgmlType(t)
         self.prefix = prefix
+        self.budget = budget
+        self.is_head = is_head
+        """Whether this method multiplies (an LM head, or an embedding tied to one): only
+        then may it keep a batch copy (lookups never use one)."""
         self.prepared: Optional[_Prepared] = None
         self.exact: Optional[RawWeight] = None
         """The file's bytes, kept when the backend is not exact in the model dtype."""
@@ -217,12 +288,16 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         if self.prepared is None:
-            self.prepared = _Prepared(layer.weight, self.params_dtype)
+            self.prepared = _Prepared(layer.weight, self.params_dtype,
+                                      self.budget if self.is_head else None)
             backend, _, _ = self.prepared.groups[0]
             if not backend.exact(self.params_dtype):
                 raw = layer.weight.packed.part_tensor(layer.weight.data, 0)
                 self.exact = ReferenceBackend().prepare(raw.clone(), self.t, self.params_dtype)
         layer.weight = None
+
+    def tie_as_head(self) -> None:
+        self.is_head = True
 
     def embedding(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if self.exact is not None:
@@ -316,6 +391,9 @@ def build_quant_config(quant, model_cls) -> Optional[QuantizationConfig]:
     if quant is None or quant.scheme == "none":
         return None
     mapping = model_cls.stacked_params_mapping
+    copies = batch_copy_budget(quant.cpu_dense_gib)
     if quant.scheme == "gguf":
-        return GGUFQuantConfig(tensor_types=quant.tensor_types, stacked_params_mapping=mapping)
-    return GGUFQuantConfig(isq=quant.isq, stacked_params_mapping=mapping)
+        return GGUFQuantConfig(tensor_types=quant.tensor_types, stacked_params_mapping=mapping,
+                               batch_copy_bytes=copies)
+    return GGUFQuantConfig(isq=quant.isq, stacked_params_mapping=mapping,
+                           batch_copy_bytes=copies)

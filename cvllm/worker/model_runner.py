@@ -119,6 +119,8 @@ class ModelRunner:
             model.load_weights(loader.iter_weights(source))
         per_type, total = weight_summary(model)
         logger.info(format_summary(per_type, total, self.device))
+        if quant_config is not None and quant_config.loaded_note():
+            logger.info(quant_config.loaded_note())
         return model.eval()
 
     def _plan_kv_cache(self, capture: bool) -> KVCacheLayout:

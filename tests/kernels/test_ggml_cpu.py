@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cvllm.kernels.quant import ggml_cpu
 from cvllm.kernels.quant.ggml_types import BLOCK_SHAPES, QUANTIZED_TYPES, GgmlType
@@ -118,6 +119,41 @@ def test_dense_from_m_keeps_a_bf16_copy_for_batches():
         _close(ggml_cpu.linear(x, w), x.float() @ ref.t(), 0.015)
     x = torch.randn(2, K, dtype=torch.bfloat16)
     torch.testing.assert_close(ggml_cpu.linear(x, w), ggml_cpu.linear(x, plain), rtol=0, atol=0)
+
+
+def test_one_plane_types_are_the_ones_that_pack_into_one_plane():
+    for t in TYPES:
+        if t in ggml_cpu.DENSE_TYPES:
+            continue
+        w = ggml_cpu.prepare(_random_raw(t, 64, 256, seed=int(t)), t, torch.bfloat16)
+        assert (w.planes == 1) == (t in ggml_cpu.ONE_PLANE_TYPES), (t.name, w.planes)
+
+
+def test_batch_copy_only_for_types_it_pays_for():
+    """``batch_copy``: a two-plane type keeps a bf16 copy and multiplies batches of
+    ``BATCH_COPY_FROM_M`` rows and more with it (the same values as the planes, within
+    bf16); a one-plane type and Q6_K (already dense) keep none."""
+    m0 = ggml_cpu.BATCH_COPY_FROM_M
+    for t, copies in ((GgmlType.Q8_0, True), (GgmlType.Q5_K, True), (GgmlType.Q4_K, False),
+                      (GgmlType.Q6_K, False)):
+        raw = _random_raw(t, N, 256, seed=5)
+        w = ggml_cpu.prepare(raw, t, torch.float32, batch_copy=True)
+        plain = ggml_cpu.prepare(raw, t, torch.float32)
+        extra = ggml_cpu.nbytes(w) - ggml_cpu.nbytes(plain)
+        assert extra == ggml_cpu.batch_copy_bytes(t, (N, 256)) == (N * 256 * 2 if copies else 0)
+        assert ggml_cpu.CpuBackend().batch_copy_bytes(t, (N, 256)) == extra
+        ref = ref_dequantize(raw, t)
+        for m in (m0 - 1, m0, 16):
+            x = torch.randn(m, 256)
+            _close(ggml_cpu.linear(x, w), x @ ref.t(), 0.015)
+        if copies:  # below the threshold the int4 kernel, from it the copy
+            x = torch.randn(m0 - 1, 256)
+            torch.testing.assert_close(ggml_cpu.linear(x, w), ggml_cpu.linear(x, plain),
+                                       rtol=0, atol=0)
+            x = torch.randn(m0, 256)
+            torch.testing.assert_close(ggml_cpu.linear(x, w),
+                                       F.linear(x.bfloat16(), w.batch_dense).float(),
+                                       rtol=0, atol=0)
 
 
 def test_cpu_backend_wraps_the_module():

@@ -46,8 +46,16 @@ class GgmlBackend(ABC):
         """Whether this backend multiplies ``t`` weights with ``dtype`` activations."""
 
     @abstractmethod
-    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> GgmlWeight:
-        """``raw uint8 [N, K / B * S]`` -> this backend's weight (``dtype``: activations)."""
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+                batch_copy: bool = False) -> GgmlWeight:
+        """``raw uint8 [N, K / B * S]`` -> this backend's weight (``dtype``: activations).
+        ``batch_copy``: the caller grants ``batch_copy_bytes`` more bytes for a float copy
+        that multiplies batches faster (backends without one ignore it)."""
+
+    def batch_copy_bytes(self, t: GgmlType, shape: Tuple[int, int]) -> int:
+        """Bytes of the float copy ``prepare(batch_copy=True)`` would add for an ``(N, K)``
+        weight of ``t``; 0 where the backend keeps none."""
+        return 0
 
     @abstractmethod
     def linear(self, x: torch.Tensor, w: GgmlWeight,
@@ -87,7 +95,8 @@ class ReferenceBackend(GgmlBackend):
     def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
         return t in QUANTIZED_TYPES or t in FLOAT_TYPES
 
-    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> RawWeight:
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+                batch_copy: bool = False) -> RawWeight:
         from cvllm.kernels.quant.ggml_types import block_shape
 
         elems, nbytes = block_shape(t)
@@ -128,7 +137,8 @@ class DequantizedBackend(GgmlBackend):
     def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
         return t in QUANTIZED_TYPES or t in FLOAT_TYPES
 
-    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> DequantizedWeight:
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+                batch_copy: bool = False) -> DequantizedWeight:
         from cvllm.kernels.quant.reference import dequantize
 
         w = dequantize(raw, t, dtype)  # [N, K]

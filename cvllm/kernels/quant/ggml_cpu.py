@@ -23,8 +23,10 @@ The planes of one weight are laid side by side along K, so one kernel call multi
 thread's CPU time, weights streamed from L3 as in a decode step), 3072 x 576: one row
 94 us (Q4_1) / 220 us (Q8_0) against 413 us for bf16 ``F.linear`` and 461 us for
 float32; at 16 rows 644 / 1310 us against 448 us for bf16, since the kernel decodes the
-weight again for every 4 rows. Hence ``prepare``'s opt-in ``dense_from_m`` (a bf16 copy
-for batches) and ``DEQUANT_MIN_M`` (prefill: dequantize, then oneDNN).
+weight again for every 4 rows. Hence ``prepare``'s ``batch_copy`` (a bf16 copy beside the
+planes of a two-plane type, for decode batches from ``BATCH_COPY_FROM_M`` rows, on CPUs
+whose bf16 matmul is fast: ``batch_copy_pays``) and ``DEQUANT_MIN_M`` (prefill without a copy: dequantize,
+then oneDNN).
 
 Precision: the kernel takes bf16 activations, bf16 (scale, zero) pairs and accumulates in
 float32. GGUF's f16 block scales (and Q4_1's ``m + 8 d``, K-quants' ``d * sc``) are rounded
@@ -72,6 +74,18 @@ whose time grows with every 4 rows because it decodes the weight again for each 
 tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 planes
 (one thread, 3072 x 576: int4 at 256 rows 9.9 ms, dequantize 4.6 ms + F.linear 0.8 ms)."""
 
+ONE_PLANE_TYPES = frozenset({GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K})
+"""Types whose codes span 16 values: one int4 plane (the others take two, Q2_K three)."""
+
+BATCH_COPY_FROM_M = 3
+"""Rows of ``x`` from which a weight of two or more planes multiplies its bf16 copy.
+Measured at 2 threads on the 2-core AMX VM (torch 2.13), weights hot in cache: two planes
+of 3072 x 576 take 108 / 156 us at 2 / 4 rows against 113 / 116 us for bf16. In a whole
+decode step, where weights stream from memory (about 11 GB/s here), the bf16 copy of a
+one-plane type reads 3.2x the bytes of its plane and gains nothing at 16 rows (default
+model: 324 against 328 tok/s), so those keep none; the Q8_0 LM head of the default model
+takes 3.9 ms a step with its copy against 10.9 ms as two planes."""
+
 _PREP_ROWS = 8192
 """Rows converted at once in ``prepare``: bounds the int32 code buffer (the LM head's
 49152 rows would take 230 MB at once)."""
@@ -102,7 +116,7 @@ class CpuGgmlWeight(GgmlWeight):
     """GGUF's bytes, kept only where ``_codes_of_rows`` cannot read this CPU's packing."""
     batch_dense: Optional[torch.Tensor] = None
     """Opt-in bf16 ``[N, K]`` copy beside the int4 planes, for ``x`` of at least
-    ``dense_from_m`` rows (``prepare``'s ``dense_from_m``)."""
+    ``dense_from_m`` rows (``prepare``'s ``batch_copy`` / ``dense_from_m``)."""
     dense_from_m: int = 0
 
     def nbytes(self) -> int:
@@ -249,17 +263,36 @@ def supports(t: GgmlType, dtype: torch.dtype) -> bool:
     return t in QUANTIZED_TYPES and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def batch_copy_pays() -> bool:
+    """Whether this CPU multiplies bf16 matrices with AMX tiles (oneDNN), where a bf16 copy
+    of a weight multiplies a decode batch 2.6x faster than the int4 kernel (16 rows,
+    3072 x 576: 119 against 311 us). Without AMX the bf16 matmul runs on AVX-512 FMAs at
+    about the int4 kernel's speed, so a copy would cost memory for nothing."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch without the probe
+        return False
+
+
+def batch_copy_bytes(t: GgmlType, shape: Tuple[int, int]) -> int:
+    """Bytes of the bf16 copy ``prepare(batch_copy=True)`` adds: none for ``DENSE_TYPES``
+    (already dense) and ``ONE_PLANE_TYPES`` (``BATCH_COPY_FROM_M``: no gain)."""
+    t = GgmlType(t)
+    return 0 if t in DENSE_TYPES or t in ONE_PLANE_TYPES else 2 * shape[0] * shape[1]
+
+
 def prepare(raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-            dense_from_m: Optional[int] = None) -> CpuGgmlWeight:
+            dense_from_m: Optional[int] = None, batch_copy: bool = False) -> CpuGgmlWeight:
     """GGUF's bytes ``raw uint8 [N, K / B * S]`` of type ``t`` -> the kernel's layout, for
     activations of ``dtype``. ``raw`` is not kept (except where this CPU's int4 packing
     is not the AVX-512 one, see ``TILE_N``).
 
-    ``dense_from_m``: also keep a bf16 copy (2 bytes a weight more) and multiply ``x`` of
-    at least that many rows with it: the int4 kernel decodes the weight once per 4 rows,
-    so at 16 rows it takes 1.4x (one plane) to 2.9x (two planes) bf16 ``F.linear``'s time;
-    bf16 wins from about 8 rows for one plane and 5 for two. None (default): weights stay
-    quantized only."""
+    ``batch_copy``: also keep a bf16 copy (``batch_copy_bytes``: 2 bytes a weight more,
+    none for the types it does not pay for) and multiply ``x`` of at least
+    ``BATCH_COPY_FROM_M`` rows with it: the int4 kernel decodes the weight once per 4
+    rows and once per plane. ``dense_from_m``: keep the copy whatever the type, from that
+    many rows (tests, benchmarks). Neither (default): weights stay quantized only."""
     t = GgmlType(t)
     if not supports(t, dtype):
         raise ValueError(f"the CPU GGML kernels take no {t.name} weight with {dtype}")
@@ -279,9 +312,10 @@ def prepare(raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
     w = CpuGgmlWeight(t, (n, k), dtype, planes=parts[0][2], packed=packed, scales_zeros=sz)
     if not _tiles_decodable():
         w.raw = raw[:n].clone()
-    if dense_from_m is not None:
+    if dense_from_m is not None or (batch_copy and batch_copy_bytes(t, (n, k))):
         w.batch_dense = dequantize(w, torch.bfloat16)  # [N, K]
-        w.dense_from_m = max(1, int(dense_from_m))
+        w.dense_from_m = max(1, int(dense_from_m if dense_from_m is not None
+                                    else BATCH_COPY_FROM_M))
     return w
 
 
@@ -384,8 +418,12 @@ class CpuBackend(GgmlBackend):
     def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
         return supports(t, dtype)
 
-    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> CpuGgmlWeight:
-        return prepare(raw, t, dtype)
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+                batch_copy: bool = False) -> CpuGgmlWeight:
+        return prepare(raw, t, dtype, batch_copy=batch_copy)
+
+    def batch_copy_bytes(self, t: GgmlType, shape: Tuple[int, int]) -> int:
+        return batch_copy_bytes(t, shape)
 
     def linear(self, x: torch.Tensor, w: GgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:

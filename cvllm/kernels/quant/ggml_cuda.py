@@ -431,8 +431,9 @@ class CudaBackend(GgmlBackend):
     def supports(self, t: GgmlType, dtype: torch.dtype) -> bool:
         return supports(t) and dtype in _DTYPES
 
-    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype) -> CudaGgmlWeight:
-        return prepare(raw, t)
+    def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
+                batch_copy: bool = False) -> CudaGgmlWeight:
+        return prepare(raw, t)  # batched calls decode tiles on the fly: no copy
 
     def linear(self, x: torch.Tensor, w: CudaGgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
