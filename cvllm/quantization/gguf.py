@@ -196,6 +196,9 @@ class _Prepared:
             self.groups.append((backend, weight, len(ids)))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.dim() == 2 and len(self.groups) == 1:  # the usual call: no reshapes
+            backend, w, _ = self.groups[0]
+            return backend.linear(x, w, bias)  # [M, N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if len(self.groups) == 1:

@@ -307,7 +307,7 @@ class ModelRunner:
         )
         if prev is not None and tensors.output_counts is not None:
             _count_pending_tokens(tensors.output_counts, step, prev)
-        out = self.sampler(logits, tensors, num_logprobs=num_logprobs)
+        out = self.sampler(logits, tensors, num_logprobs=num_logprobs, logprobs=bool(want))
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             from cvllm.distributed import comm  # every rank patches the next placeholders
 

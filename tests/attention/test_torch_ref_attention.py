@@ -12,15 +12,20 @@ from cvllm.attention.metadata import AttentionMetadata
 
 
 def make_batch(
-    seqs, block_size, num_kv_heads, head_dim, num_heads, seed=0, num_blocks=64, dtype=torch.float32
+    seqs, block_size, num_kv_heads, head_dim, num_heads, seed=0, num_blocks=64, dtype=torch.float32,
+    consecutive=False,
 ):
     """``seqs``: (cached context length, new tokens) per sequence, in batch order.
-    Caches the context, returns (q, k, v, caches, meta, per-seq full K/V) for the step."""
+    Caches the context, returns (q, k, v, caches, meta, per-seq full K/V) for the step.
+    Block ids are a random permutation, or with ``consecutive`` 3, 4, 5, ... in order."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, dtype)
     k_cache, v_cache = allocate_kv_cache(spec, num_blocks, "cpu")[0]
-    free = list(rng.permutation(num_blocks))  # non-contiguous block ids
+    if consecutive:
+        free = list(range(num_blocks - 1, 2, -1))  # pops 3, 4, 5, ...
+    else:
+        free = list(rng.permutation(num_blocks))  # non-contiguous block ids
     max_blocks = max(-(-(c + n) // block_size) for c, n in seqs)
     block_tables = np.full((len(seqs), max_blocks + 1), -1, dtype=np.int32)  # padded with -1
     qsl, seq_lens, slots, full_k, full_v = [0], [], [], [], []

@@ -10,8 +10,9 @@ from cvllm.attention.backends import torch_ref
 from tests.attention.test_torch_ref_attention import make_batch, naive_attention
 
 
-def _check(seqs, seed, **opts):
-    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed)
+def _check(seqs, seed, consecutive=False, **opts):
+    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed,
+                                                 consecutive=consecutive)
     scale = 1 / math.sqrt(16)
     out = torch_ref.forward(q, k, v, kc, vc, meta, scale, **opts)
     torch.testing.assert_close(out.double(), naive_attention(q, fk, fv, seqs, scale, **opts),
@@ -47,3 +48,20 @@ def test_group_views_keep_their_own_cache():
     import dataclasses
 
     assert dataclasses.replace(meta).host_cache == {}
+
+
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 4}, {"softcap": 3.0}])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_lone_sequence_with_consecutive_blocks_reads_the_cache_in_place(opts, consecutive):
+    """One decoding sequence whose block ids are consecutive: the plan records the run
+    (attention then takes views of the cache, no gather), with the same output."""
+    meta = _check([(13, 1)], seed=11, consecutive=consecutive, **opts)
+    (plan,) = [p for key, p in meta.host_cache.items() if key[0] == "torch_ref.decode"]
+    (group,) = plan
+    assert (group[5] == 3) if consecutive else (group[5] is None)
+
+
+def test_several_sequences_never_take_the_run():
+    meta = _check([(13, 1), (6, 1)], seed=12, consecutive=True)
+    (plan,) = [p for key, p in meta.host_cache.items() if key[0] == "torch_ref.decode"]
+    assert all(group[5] is None for group in plan)

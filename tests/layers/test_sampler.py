@@ -171,6 +171,17 @@ def test_logprobs_are_raw_log_softmax():
     assert Sampler()(logits, t).top_logprob_ids is None
 
 
+def test_no_logprobs_wanted_returns_none_and_the_same_tokens():
+    logits = random_logits(4)
+    t = make_tensors(4, temperature=[0.0, 0.0, 0.7, 1.0], seeds=[None, None, 3, 4])
+    with_lp = Sampler()(logits, t)
+    without = Sampler()(logits, t, logprobs=False)
+    assert without.logprobs is None and with_lp.logprobs is not None
+    assert torch.equal(without.sampled, with_lp.sampled)
+    # top logprobs asked for: computed whatever the flag says
+    assert Sampler()(logits, t, num_logprobs=2, logprobs=False).logprobs is not None
+
+
 def test_row_count_mismatch_raises():
     with pytest.raises(ValueError):
         Sampler()(random_logits(2), make_tensors(3))

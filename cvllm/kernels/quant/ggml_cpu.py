@@ -325,24 +325,31 @@ def linear(x: torch.Tensor, w: CpuGgmlWeight, bias: Optional[torch.Tensor] = Non
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     if w.dense is not None:
-        return F.linear(x, w.dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    if w.batch_dense is not None and x.shape[0] >= w.dense_from_m:
-        y = F.linear(x.to(torch.bfloat16), w.batch_dense)  # [M, N]
-    elif x.shape[0] >= DEQUANT_MIN_M:
-        weight = dequantize(w, torch.bfloat16)  # [N, K]
-        y = F.linear(x.to(torch.bfloat16), weight)  # [M, N]
+        if w.dense.dtype != x.dtype:
+            return F.linear(x, w.dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return F.linear(x, w.dense, bias)
+    # A decode step calls this about 120 times (the default model): every torch op
+    # skipped here (casts that are no-ops, copies of contiguous tensors) is ~1 us off it.
+    m = x.shape[0]
+    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # contiguous
+    if w.batch_dense is not None and m >= w.dense_from_m:
+        y = F.linear(xb, w.batch_dense)  # [M, N]
+    elif m >= DEQUANT_MIN_M:
+        y = F.linear(xb, dequantize(w, torch.bfloat16))  # [M, N]
     else:
-        xb = x.to(torch.bfloat16)
         if w.planes > 1:
             xb = xb.repeat(1, w.planes)  # [M, P * K]: one copy of x per plane
+        elif not xb.is_contiguous():
+            xb = xb.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xb.contiguous(), w.packed, GROUP, w.scales_zeros)  # [M, Np]
+            xb, w.packed, GROUP, w.scales_zeros)  # [M, Np]
         if y.shape[1] != n:
-            y = y[:, :n]
-    y = y.to(x.dtype)
+            y = y[:, :n].contiguous()
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if bias is not None:
-        y = y + bias.to(x.dtype)
-    return y.contiguous()
+        y = y + (bias if bias.dtype == x.dtype else bias.to(x.dtype))
+    return y
 
 
 def _codes_of_rows(packed: torch.Tensor, cols: int,
