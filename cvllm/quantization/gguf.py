@@ -325,7 +325,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         exact = torch.bmm(rows.view(*top.shape, -1), x2.unsqueeze(-1)).squeeze(-1)  # [M, R]
         if bias is not None:
             exact = exact + bias[top]
-        return y2.scatter(-1, top, exact.to(y2.dtype)).view(y.shape)
+        return y2.scatter_(-1, top, exact.to(y2.dtype)).view(y.shape)  # y: the head's own
 
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         if self.prepared is None:

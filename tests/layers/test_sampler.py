@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cvllm.layers.sampler import Sampler, SamplingTensors, apply_penalties
+from cvllm.layers.sampler import Sampler, SamplingTensors, _argmax_rows, apply_penalties
 
 V = 16
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
@@ -180,6 +180,16 @@ def test_no_logprobs_wanted_returns_none_and_the_same_tokens():
     assert torch.equal(without.sampled, with_lp.sampled)
     # top logprobs asked for: computed whatever the flag says
     assert Sampler()(logits, t, num_logprobs=2, logprobs=False).logprobs is not None
+
+
+def test_cpu_argmax_matches_torch_with_ties_and_nan():
+    x = random_logits(6, vocab=300)
+    x[1, 3] = x[1, 7] = 1e9  # a tie: the first index
+    x[2, 5] = x[2, 9] = float("nan")  # NaN counts as the maximum, first one
+    x[3] = float("-inf")
+    got = _argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    assert got[1] == 3 and got[2] == 5
 
 
 def test_row_count_mismatch_raises():
