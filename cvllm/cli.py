@@ -62,6 +62,12 @@ def _model_options(f: Callable) -> Callable:
         click.option("--fp8-kvcache", is_flag=True,
                      help="Keep attention K/V in FP8 e4m3 with per-layer scales: half the "
                           "KV memory of bf16."),
+        click.option("--disable-prefix-cache", is_flag=True,
+                     help="Compute every prompt in full instead of reusing the KV blocks of "
+                          "a prefix computed before."),
+        click.option("--prefix-cache-max-tokens", type=click.IntRange(min=0), default=None,
+                     help="Most tokens' worth of cached prefix blocks kept while no request "
+                          "uses them (default: until the free blocks run out)."),
         click.option("--disable-cuda-graph", is_flag=True,
                      help="Launch decode steps eagerly instead of replaying CUDA graphs."),
         click.option("--attention-backend", type=click.Choice(["auto", "triton", "torch_ref"]),
@@ -141,6 +147,8 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
         yarn_scaling_factor=kw.get("yarn_scaling_factor"),
         disable_cuda_graph=kw.get("disable_cuda_graph", False),
         fp8_kvcache=kw.get("fp8_kvcache", False),
+        disable_prefix_cache=kw.get("disable_prefix_cache", False),
+        prefix_cache_max_tokens=kw.get("prefix_cache_max_tokens"),
         isq=kw.get("isq"), dequantize=kw.get("dequantize", False),
         cpu_dense_gb=kw.get("cpu_dense_gb"),
         attention_backend=kw.get("attention_backend") or "auto",

@@ -93,8 +93,19 @@ class CacheConfig:
     """--fp8-kvcache: full and sliding attention layers keep K/V in FP8 e4m3 with a
     per-layer scale (``attention/kv_cache.py``), half the bytes of bf16; MLA latents and
     linear-attention states stay in the model dtype."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt prefix computed before (``core/prefix_cache.py``);
+    off with --disable-prefix-cache, and always off for models with linear-attention
+    state layers."""
+    prefix_cache_max_tokens: Optional[int] = None
+    """--prefix-cache-max-tokens: most tokens' worth of cached blocks that no sequence
+    uses kept per KV group (rounded down to whole blocks); None keeps them until the
+    free blocks run out."""
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
+            raise ConfigError(f"--prefix-cache-max-tokens must be >= 0, got "
+                              f"{self.prefix_cache_max_tokens}")
         if self.block_size not in (8, 16, 32, 64, 128, 256):
             raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, 256, got {self.block_size}")
         if self.kvcache_mem_mb is not None and self.kvcache_mem_mb <= 0:

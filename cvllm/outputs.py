@@ -37,6 +37,8 @@ class RequestOutput:
     """The stop string or token id that ended the request, when there is one."""
     logprobs: List[TokenLogprob] = field(default_factory=list)
     """One entry per token of ``delta_token_ids`` when logprobs were requested."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (``usage.prompt_tokens_details``)."""
 
 
 @dataclass
@@ -60,9 +62,16 @@ class EngineMetrics:
     num_waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    """Blocks an allocation can take, cached prefixes nobody uses included."""
+    kv_blocks_cached: int = 0
+    """Of the free blocks, those holding a cached prefix (evicted only when needed)."""
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    """Prompt tokens looked up in the prefix cache (first admissions)."""
+    prefix_cache_hits_total: int = 0
+    """Of those, tokens found there."""
     steps_total: int = 0
     requests_finished: Dict[str, int] = field(default_factory=dict)
     """Finished requests by finish reason."""

@@ -14,15 +14,23 @@ holds one of ``num_state_slots`` (= ``max_num_seqs``) state slots, assigned on
 admission and released on finish, abort and preemption (preemption recomputes from
 scratch, so the state restarts from zero: the worker zeroes the slot of every sequence
 whose step starts at position 0).
+
+Prefix caching (``core/prefix_cache.py``): every group keeps its own key -> block map over
+its own pool, and a hit must suit all of them: ``find_cached_prefix`` takes the full
+groups' longest run of cached blocks, lowers it until every sliding group holds the
+blocks its window needs at that point, and repeats until no group lowers it further.
+A model with state layers gets no caching (the engine turns it off): a prefix hit would
+need the linear-attention state at the block boundary, which is not kept.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from cvllm.core.block_manager import BlockManager, NoFreeBlocksError
+from cvllm.core.prefix_cache import PrefixCacheStats, PrefixHit
 from cvllm.core.sequence import Sequence
 
 
@@ -72,17 +80,32 @@ class KVCacheManager:
         for i, g in enumerate(groups):
             if g.group != i:
                 raise ValueError(f"block manager {i} is for group {g.group}")
+        if len({g.enable_caching for g in groups}) != 1:
+            raise ValueError("prefix caching must be on in every KV cache group or in none")
         self.groups = groups
         self.num_state_slots = num_state_slots
         self._free_slots: deque[int] = deque(range(num_state_slots))
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._cached_upto: Dict[int, int] = {}
+        """seq_id -> full blocks ``cache_blocks`` has handed to the groups (a fast path:
+        most calls, one per scheduled sequence and step, find no new full block)."""
 
     @classmethod
-    def from_layout(cls, layout: KVCacheLayout) -> "KVCacheManager":
+    def from_layout(cls, layout: KVCacheLayout, enable_caching: bool = False,
+                    max_cached_tokens: Optional[int] = None) -> "KVCacheManager":
+        """``max_cached_tokens`` caps each group's cached (unused) blocks at that many
+        tokens' worth, rounded down to whole blocks."""
+        cap = None if max_cached_tokens is None else max_cached_tokens // layout.block_size
         groups = [
-            BlockManager(g.num_blocks, layout.block_size, g.sliding_window, group=i)
+            BlockManager(g.num_blocks, layout.block_size, g.sliding_window, group=i,
+                         enable_caching=enable_caching, max_cached_blocks=cap)
             for i, g in enumerate(layout.groups)
         ]
         return cls(groups, layout.num_state_slots)
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.groups[0].enable_caching
 
     @property
     def block_size(self) -> int:
@@ -98,18 +121,76 @@ class KVCacheManager:
 
     # ----- blocks ----------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return all(g.can_allocate(seq, num_new_tokens) for g in self.groups)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int,
+                     hit: Optional[PrefixHit] = None) -> bool:
+        """With ``hit`` (seq holds no blocks yet): whether seq can take the hit's blocks
+        and then blocks for ``num_new_tokens`` tokens past them."""
+        if hit is None or not hit.num_tokens:
+            return all(g.can_allocate(seq, num_new_tokens) for g in self.groups)
+        total = hit.num_tokens + num_new_tokens
+        return all(g.can_allocate_after_hit(hit.blocks[g.group], total) for g in self.groups)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Blocks for ``num_new_tokens`` more tokens in every group (check first)."""
-        short = [g.group for g in self.groups if not g.can_allocate(seq, num_new_tokens)]
-        if short:  # checked up front so that a failure leaves no group half-allocated
-            raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs more blocks than are free in KV group(s) {short}"
-            )
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 hit: Optional[PrefixHit] = None) -> None:
+        """Blocks for ``num_new_tokens`` more tokens in every group (check first); with
+        ``hit``, seq first takes the hit's blocks and its ``num_computed_tokens`` must
+        already count the hit's tokens."""
+        if not self.can_allocate(seq, num_new_tokens, hit):
+            # checked up front so that a failure leaves no group half-allocated
+            short = [g.group for g in self.groups if not g.can_allocate(seq, num_new_tokens)]
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more blocks than are "
+                                    f"free in KV group(s) {short or 'of its prefix hit'}")
         for g in self.groups:
+            if hit is not None and hit.num_tokens:
+                g.share(seq, hit.blocks[g.group])
             g.allocate(seq, num_new_tokens)
+
+    # ----- prefix cache ------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest block-aligned prefix of seq's tokens every group holds, leaving
+        at least its last token to compute (its logits are needed). Changes nothing."""
+        if not self.enable_caching:
+            return PrefixHit(0, [[] for _ in self.groups])
+        hashes = seq.update_block_hashes(self.block_size)
+        k = min(len(hashes), (seq.num_tokens - 1) // self.block_size)
+        while True:  # a sliding group may lower k; then every group looks again
+            lowest = k
+            for g in self.groups:
+                lowest = g.longest_hit(hashes, lowest)
+            if lowest == k:
+                break
+            k = lowest
+        return PrefixHit(k * self.block_size, [g.hit_blocks(hashes, k) for g in self.groups])
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose tokens are confirmed and counted as computed
+        (``schedule()`` counts a step's tokens once the step is scheduled: the step runs
+        before any step that could read the blocks through a hit)."""
+        if not self.enable_caching:
+            return
+        num_tokens = min(seq.num_computed_tokens, seq.num_confirmed_tokens)
+        full = num_tokens // self.block_size
+        if full <= self._cached_upto.get(seq.seq_id, 0):
+            return
+        seq.update_block_hashes(self.block_size)
+        for g in self.groups:
+            g.cache_blocks(seq, num_tokens)
+        self._cached_upto[seq.seq_id] = full
+
+    def record_lookup(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Count an admitted sequence's lookup (first admission only) and note its
+        cached prompt tokens on it."""
+        if not self.enable_caching or seq.num_preemptions:
+            return
+        seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+        self.prefix_cache_stats.queries += seq.num_tokens
+        self.prefix_cache_stats.hits += hit.num_tokens
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Unused blocks holding cached prefixes, over every group (counted as free)."""
+        return sum(g.num_cached_free_blocks for g in self.groups)
 
     def can_ever_fit(self, seq: Sequence, max_chunk: int) -> bool:
         """Whether seq's known tokens fit every group's whole pool, taken ``max_chunk``
@@ -128,6 +209,7 @@ class KVCacheManager:
         """Release everything seq holds: blocks in every group and its state slot."""
         for g in self.groups:
             g.free(seq)
+        self._cached_upto.pop(seq.seq_id, None)
         self.free_state_slot(seq)
 
     # ----- state slots -------------------------------------------------------------------

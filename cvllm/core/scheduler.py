@@ -33,6 +33,17 @@ admission. After each step (``update``) sliding-window groups free the blocks no
 query can see, so such a group holds at most ``ceil((W - 1 + n) / bs) + 1`` blocks per
 sequence given ``n`` new tokens.
 
+Prefix caching (``core/prefix_cache.py``, when the ``KVCacheManager`` has it on): a waiting
+sequence is admitted past the longest cached block-aligned prefix of its tokens (never
+its last token: its logits are needed), taking those blocks by reference, so its
+``num_computed_tokens`` starts at the hit and chunked prefill goes on from there; a
+sequence preempted earlier hits its own freed blocks. A sequence's full blocks are
+registered once their tokens are confirmed and scheduled: at admission (so a sequence
+admitted later in the same step, such as another choice of the same prompt, shares
+them; every backend writes a step's K/V before it attends), after the running sequences
+are scheduled (never before: a preempted sequence's blocks of this step are never
+computed) and in ``update`` (tokens that were placeholders).
+
 A sequence that can never run (its known tokens need more blocks than the whole cache, or,
 without chunking, more tokens than the step budget) is finished with reason 'length'
 rather than preempted forever; the engine sees it in ``SchedulerOutput.finished``.
@@ -276,23 +287,31 @@ class Scheduler:
                 continue
             self.kv_cache_manager.allocate(seq, n)
             step.add(seq, n)
+        # Only now is it certain that these sequences' tokens are computed this step.
+        for entry in step.scheduled.values():
+            self.kv_cache_manager.cache_blocks(entry.seq)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
+        kv = self.kv_cache_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self._can_ever_fit(seq):
                 self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
+            hit = kv.find_cached_prefix(seq)
+            seq.num_computed_tokens = hit.num_tokens  # the step starts right after the hit
             n = self._num_new_tokens(seq, step.budget)
-            kv = self.kv_cache_manager
-            if n == 0 or not (kv.can_allocate(seq, n) and kv.can_assign_state_slot(seq)):
+            if n == 0 or not (kv.can_allocate(seq, n, hit) and kv.can_assign_state_slot(seq)):
+                seq.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            kv.allocate(seq, n)
+            kv.allocate(seq, n, hit)
             kv.assign_state_slot(seq)
+            kv.record_lookup(seq, hit)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.add(seq, n)
+            kv.cache_blocks(seq)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed_tokens
@@ -366,12 +385,15 @@ class Scheduler:
             seq = entry.seq
             if seq.is_finished():
                 continue  # aborted or finished while the step was in flight
+            if entry.samples:
+                seq.resolve_placeholder(entry.sample_index, sampled[seq.seq_id])
+            # A resolved token may complete a block whose K/V a launched step computes.
+            self.kv_cache_manager.cache_blocks(seq)
             # This step is done on every rank, so out-of-window blocks can go (rule 8);
             # a later step in flight never reads them (it only looks further on).
             self.kv_cache_manager.remove_out_of_window_blocks(seq)
             if not entry.samples:
                 continue
-            seq.resolve_placeholder(entry.sample_index, sampled[seq.seq_id])
             status, stop_reason = self._check_stop(seq, entry.sample_index)
             if status is not None:
                 self._finish_seq(seq, status, stop_reason)

@@ -16,13 +16,18 @@ Placeholders: when a step that samples a sequence is scheduled, the scheduler ap
 the overlapped engine loop. ``update()`` writes the real id over it.
 ``num_pending_tokens`` counts the placeholders at the tail; ``confirmed_*`` views leave
 them out (what the detokenizer, usage and penalties see).
+
+Prefix caching (``core/prefix_cache.py``): ``block_hashes`` holds the chained content key
+of every full block of confirmed tokens, extended as tokens become known; the block
+managers register and look up blocks by these keys.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Sequence as Seq, Union
+from typing import List, Optional, Sequence as Seq, Tuple, Union
 
+from cvllm.core.prefix_cache import BlockHash, hash_block_tokens
 from cvllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN = -1
@@ -109,6 +114,15 @@ class Sequence:
         """Placeholders at the tail of ``token_ids`` (steps in flight that sample it)."""
         self.last_sample_row = -1
         """The sampling row of this sequence in the newest step that samples it."""
+        self.block_hashes: List[BlockHash] = []
+        """Prefix-cache key of each full block of confirmed tokens (``update_block_hashes``)."""
+        self.extra_hash_keys: Tuple = ()
+        """Keys besides the tokens that change every block's K/V (a LoRA adapter's name,
+        a cache salt); features that change only some blocks (images) extend
+        ``_block_extra_keys`` instead."""
+        self.num_cached_tokens = 0
+        """Prompt tokens whose K/V came from the prefix cache at the first admission
+        (``usage.prompt_tokens_details.cached_tokens``)."""
 
     @property
     def block_ids(self) -> List[int]:
@@ -161,6 +175,27 @@ class Sequence:
 
     def is_finished(self) -> bool:
         return self.status.is_finished()
+
+    @property
+    def num_confirmed_tokens(self) -> int:
+        """Tokens whose ids are known (placeholders left out)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    def update_block_hashes(self, block_size: int) -> List[BlockHash]:
+        """Extend ``block_hashes`` over every full block of confirmed tokens; returns it.
+        Confirmed tokens never change, so keys once computed stay valid (preemption
+        keeps the tokens)."""
+        hashes = self.block_hashes
+        end = self.num_confirmed_tokens // block_size
+        for i in range(len(hashes), end):
+            parent = hashes[i - 1] if i else None
+            tokens = self.token_ids[i * block_size:(i + 1) * block_size]
+            hashes.append(hash_block_tokens(parent, tokens, self._block_extra_keys(i)))
+        return hashes
+
+    def _block_extra_keys(self, block_index: int) -> Tuple:
+        """Extra keys of one block (see ``core/prefix_cache.py``)."""
+        return self.extra_hash_keys
 
     def append_token(self, token_id: int) -> None:
         if self.num_pending_tokens:

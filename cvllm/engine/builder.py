@@ -116,6 +116,7 @@ def build_engine_config(
     served_model_name: Optional[str] = None, sampling_overrides: Optional[Dict[str, Any]] = None,
     num_blocks: Optional[int] = None, yarn_scaling_factor: Optional[float] = None,
     disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
+    disable_prefix_cache: bool = False, prefix_cache_max_tokens: Optional[int] = None,
     isq: Optional[str] = None, dequantize: bool = False, cpu_dense_gb: Optional[float] = None,
     *, tp_size: int = 1, device: Optional[DeviceConfig] = None,
 ) -> EngineSetup:
@@ -126,7 +127,8 @@ def build_engine_config(
     # Check every flag before the (slow) model load, so a typo fails in a second.
     cache = CacheConfig(block_size=block_size, kvcache_mem_mb=kvcache_mem_mb,
                         gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
-                        fp8_kvcache=fp8_kvcache)
+                        fp8_kvcache=fp8_kvcache, enable_prefix_caching=not disable_prefix_cache,
+                        prefix_cache_max_tokens=prefix_cache_max_tokens)
     SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max(max_model_len, 1),
                     prefill_chunk_size=prefill_chunk_size)
     if max_model_len < 0:

@@ -83,7 +83,9 @@ class LLMEngine:
         if layout.block_size != self.block_size:
             raise ValueError(f"runner's block size {layout.block_size} != {self.block_size}")
         self.kv_layout = layout
-        self.kv_cache_manager = KVCacheManager.from_layout(layout)
+        self.kv_cache_manager = KVCacheManager.from_layout(
+            layout, enable_caching=self._prefix_caching(config, layout),
+            max_cached_tokens=config.cache.prefix_cache_max_tokens)
         self.block_manager = self.kv_cache_manager.groups[0]
         """KV group 0's blocks (the only group of most models)."""
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
@@ -96,6 +98,20 @@ class LLMEngine:
         self.overlap = overlap and hasattr(runner, "launch")
         """Launch step N+1 before waiting for step N (needs ``runner.launch``)."""
         self._in_flight: Optional[_InFlight] = None
+
+    @staticmethod
+    def _prefix_caching(config: EngineConfig, layout: KVCacheLayout) -> bool:
+        """Prefix caching as configured, except for models with linear-attention state
+        layers: a hit would need each layer's state at the block boundary, which cvllm
+        does not snapshot, so they recompute every prompt."""
+        if not config.cache.enable_prefix_caching:
+            return False
+        if layout.num_state_slots:
+            logger.info("prefix caching is off for %s: its linear-attention layers keep a "
+                        "per-sequence state that cached KV blocks cannot restore",
+                        config.model.architecture)
+            return False
+        return True
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams) -> None:
@@ -214,6 +230,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_confirmed_output_tokens,
             finished=seq.is_finished(), finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _retire(self, req: _Request) -> None:
@@ -238,6 +255,9 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=sum(g.num_total_blocks for g in self.kv_cache_manager.groups),
             kv_blocks_free=sum(g.num_free_blocks for g in self.kv_cache_manager.groups),
+            kv_blocks_cached=self.kv_cache_manager.num_cached_free_blocks,
+            prefix_cache_queries_total=self.kv_cache_manager.prefix_cache_stats.queries,
+            prefix_cache_hits_total=self.kv_cache_manager.prefix_cache_stats.hits,
             prompt_tokens_total=self.stats["prompt_tokens"],
             generation_tokens_total=self.stats["generation_tokens"],
             num_preemptions_total=self.scheduler.num_preemptions_total,

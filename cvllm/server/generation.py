@@ -125,8 +125,10 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.finished = False
         self.logprobs: List[TokenLogprob] = []
+        self.num_cached_tokens = 0
 
     def add(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.delta_text:
             self._parts.append(out.delta_text)
             self.text_len += len(out.delta_text)
@@ -140,4 +142,4 @@ class ChoiceState:
         # A choice whose iterator ended without a final output was cut short.
         reason = self.finish_reason if self.finished else "abort"
         return ChoiceResult(self.index, "".join(self._parts), reason,
-                            self.num_output_tokens, self.logprobs)
+                            self.num_output_tokens, self.logprobs, self.num_cached_tokens)

@@ -157,7 +157,8 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
                 await sse.send(shapes.stream_finish(state.index, "abort"))
         if shapes.include_usage:
             used = sum(s.num_output_tokens for s in states)
-            await sse.send(shapes.usage_chunk(prompt_tokens, used))
+            cached = protocol.cached_prompt_tokens([s.num_cached_tokens for s in states])
+            await sse.send(shapes.usage_chunk(prompt_tokens, used, cached))
         await sse.done()
     except ConnectionResetError:
         logger.info("client disconnected from %s; request aborted", shapes.request_id)

@@ -319,11 +319,22 @@ class ChoiceResult:
     finish_reason: Optional[str]
     num_output_tokens: int
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens this choice's engine request took from the prefix cache."""
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def cached_prompt_tokens(per_choice: Sequence[int]) -> int:
+    """A request's ``cached_tokens`` when its n choices ran as n engine requests: the
+    prompt tokens none of them computed (the first choice usually computes the prompt
+    and the others reuse its blocks, which saves compute but is not a cache hit for the
+    request)."""
+    return min(per_choice, default=0)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def model_card(model_id: str, max_model_len: int, created: int) -> dict:
@@ -387,14 +398,16 @@ class _Shapes:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict:
         chunk = self._envelope(self.chunk_object, [])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return chunk
 
     def response(self, choices: Sequence[ChoiceResult], prompt_tokens: int) -> dict:
         body = self._envelope(self.object_name, [self._choice(c) for c in choices])
-        body["usage"] = usage(prompt_tokens, sum(c.num_output_tokens for c in choices))
+        body["usage"] = usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
+                              cached_prompt_tokens([c.num_cached_tokens for c in choices]))
         return body
 
     def _choice(self, c: ChoiceResult) -> dict:  # pragma: no cover - abstract

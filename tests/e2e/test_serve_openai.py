@@ -99,6 +99,9 @@ def test_chat_stream_equals_non_stream(client):
     usage = chunks[-1].usage
     assert usage.completion_tokens == 24 == full.usage.completion_tokens
     assert usage.total_tokens == usage.prompt_tokens + 24
+    # The same prompt again: all of it comes from the prefix cache but its last block
+    # (blocks of 16; the last token is always computed).
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_completions_and_max_tokens_length(client):

@@ -62,6 +62,20 @@ def test_tiny_models_match_one_rank(model, mode, tiny_models, tiny_reference):
     assert "tensor parallel over 2 ranks" in proc.stderr
 
 
+def test_prefix_cache_under_two_ranks(tiny_models):
+    """Prompts that share a prefix, all added at once (later ones take the first one's
+    blocks in the same step), on 2 ranks (--multithread: rank 1 gets the shared block
+    tables through the StepInput) with the prefix cache on, equal 1 rank with it off."""
+    shared = "1!2?3#4%5&6!7?8#9%0&" * 3  # 60 tokens, all ids < 256
+    prompts = [shared + "!?#", shared + "12", shared, "!?#" + shared]
+    model = ["--w", str(tiny_models["llama"]), "--block-size", "8"]
+    ref = run_generate(CVLLM, generate_args([*model, "--disable-prefix-cache"], prompts,
+                                            NEW_TOKENS))
+    proc = run_generate(CVLLM, generate_args([*model, "--d", "0,1", "--multithread"], prompts,
+                                             NEW_TOKENS))
+    assert token_ids(proc) == token_ids(ref), proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def default_reference(default_gguf):
     return token_ids(run_generate(CVLLM, generate_args(["--f", str(default_gguf)],

@@ -4,11 +4,14 @@ scheduler), compared with transformers.
 
 Tolerances: float32 on both sides; last-token prefill logits within ``atol=1e-4``; greedy
 tokens equal token for token, also as one batch with chunked prefill smaller than the
-prompts.
+prompts. Prefix caching (``check_prefix_cache``): greedy tokens with the cache on equal
+those with it off, for prompts that share prefixes, under a KV cache about 4x
+oversubscribed (preemptions happen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from cvllm.engine.llm import LLM
+from cvllm.engine.llm_engine import LLMEngine
 from cvllm.sampling_params import SamplingParams
 
 # Three prompts of different lengths; ids below 256 so any tiny vocabulary takes them.
@@ -105,10 +109,49 @@ def cvllm_greedy(llm: LLM, prompts: Sequence[List[int]] = PROMPTS, n: int = NEW_
     return [r.token_ids for r in llm.generate([list(p) for p in prompts], params)]
 
 
+def _shared_prefix_batches() -> List[List[List[int]]]:
+    """Two batches (the second runs once the first finished) of prompts that share
+    prefixes: two copies of one prompt (choices of one request), a prompt that is a
+    prefix of another, one that is wholly cached by then (its last block recomputed)."""
+    base = PROMPTS[1] + PROMPTS[2]  # 32 tokens: 4 blocks of 8
+    first = [base, base, base[:20] + PROMPTS[0], PROMPTS[1], base[:12] + PROMPTS[2], base[:24]]
+    second = [base + [5, 6, 7], base, base[:16], PROMPTS[2] + PROMPTS[0], base[:24] + [9],
+              PROMPTS[1][:8] + PROMPTS[0]]
+    return [first, second]
+
+
+def check_prefix_cache(folder: Path, n: int = NEW_TOKENS, **kw) -> None:
+    """Greedy tokens with the prefix cache on equal those with it off (the same runner,
+    so the same weights and cache tensors: the cache-off engine runs only once the
+    other is done with them), for ``_shared_prefix_batches`` under a KV
+    cache of 9 blocks of 8 tokens (max_model_len 64) while six sequences of up to 6-7
+    blocks run: about 4x oversubscribed. The cache must be hit and preemptions happen,
+    except for models with state layers, where caching is off."""
+    options = dict(weight_path=str(folder), cpu=True, dtype="f32", max_model_len=64,
+                   block_size=8, prefill_chunk_size=8, num_blocks=9, max_num_seqs=6)
+    on = LLM(**{**options, **kw})
+    engine = on.engine
+    config = dataclasses.replace(engine.config, cache=dataclasses.replace(
+        engine.config.cache, enable_prefix_caching=False))
+    off = LLM.from_engine(LLMEngine(config, engine.tokenizer, engine.runner))
+    batches = _shared_prefix_batches()
+    with_cache = [cvllm_greedy(on, batch, n) for batch in batches]
+    assert with_cache == [cvllm_greedy(off, batch, n) for batch in batches]
+    stats = engine.kv_cache_manager.prefix_cache_stats
+    if engine.kv_layout.num_state_slots:
+        assert not engine.kv_cache_manager.enable_caching and stats.queries == 0
+    else:
+        assert stats.hits >= 64, stats
+    assert engine.scheduler.num_preemptions_total > 0
+    assert all(g.num_used_blocks == 0 for g in engine.kv_cache_manager.groups)
+
+
 def check_against_hf(hf_model, folder: Path, prompts: Sequence[List[int]] = PROMPTS,
-                     atol: float = LOGITS_ATOL, chunk: int = 4, llm: Optional[LLM] = None) -> None:
-    """Every acceptance check of a family: batched prefill logits, greedy tokens, and
-    greedy tokens as one batch with a prefill chunk smaller than every prompt."""
+                     atol: float = LOGITS_ATOL, chunk: int = 4, llm: Optional[LLM] = None,
+                     prefix_cache: bool = True) -> None:
+    """Every acceptance check of a family: batched prefill logits, greedy tokens,
+    greedy tokens as one batch with a prefill chunk smaller than every prompt, and (with
+    ``prefix_cache``) the prefix cache on and off under KV pressure."""
     hf_model.eval()
     llm = llm or cvllm_llm(folder)
     for i, (ours, theirs) in enumerate(zip(cvllm_last_logits(llm, prompts), hf_last_logits(hf_model, prompts))):
@@ -119,6 +162,8 @@ def check_against_hf(hf_model, folder: Path, prompts: Sequence[List[int]] = PROM
     assert min(len(p) for p in prompts) > chunk
     chunked = cvllm_llm(folder, prefill_chunk_size=chunk)
     assert cvllm_greedy(chunked, prompts) == expected
+    if prefix_cache:
+        check_prefix_cache(folder)
 
 
 def hf_config_of(folder: Path) -> dict:

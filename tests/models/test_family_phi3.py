@@ -87,7 +87,7 @@ def _check_longrope(hf, tmp_path, want_long: bool) -> None:
     llm = cvllm_llm(folder)
     rope = llm.engine.runner.model.model.layers[0].self_attn.rotary_emb
     assert rope.use_long_factor == want_long and rope.rotary_dim == 2 * N_FACTORS
-    check_against_hf(hf, folder, llm=llm)
+    check_against_hf(hf, folder, llm=llm, prefix_cache=want_long)  # once: the sliding config
 
 
 def test_phi3_gguf(tmp_path):

@@ -26,7 +26,7 @@ def _tiny(seed: int, **overrides) -> StableLmForCausalLM:
 @pytest.mark.parametrize("parallel", [True, False])
 def test_stablelm_family(tmp_path, parallel):
     hf = _tiny(0, use_parallel_residual=parallel)
-    check_against_hf(hf, save_tiny(hf, tmp_path))
+    check_against_hf(hf, save_tiny(hf, tmp_path), prefix_cache=parallel)
 
 
 def test_stablelm_gguf(tmp_path):

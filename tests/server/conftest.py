@@ -37,6 +37,8 @@ class FakeEngine:
         self.fail_generate: Optional[Exception] = None
         self.fail_after: Optional[int] = None
         """Raise RuntimeError mid-generation after this many outputs."""
+        self.cached_tokens = lambda request_id: 0
+        """The prefix-cache hit each engine request reports (``num_cached_tokens``)."""
 
     # --- tokenizer side
     def encode(self, text: str) -> List[int]:
@@ -62,6 +64,8 @@ class FakeEngine:
         return EngineMetrics(num_running=2, num_waiting=1, kv_blocks_total=100,
                              kv_blocks_free=40, prompt_tokens_total=123,
                              generation_tokens_total=456, num_preemptions_total=3,
+                             kv_blocks_cached=7, prefix_cache_queries_total=900,
+                             prefix_cache_hits_total=640,
                              requests_finished={"stop": 5, "length": 1})
 
     def abort(self, request_id: str) -> None:
@@ -82,6 +86,7 @@ class FakeEngine:
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 finished = out.finished
+                out.num_cached_tokens = self.cached_tokens(request_id)
                 yield out
         finally:
             if finished:

@@ -34,9 +34,10 @@ async def wait_for(predicate, timeout=3.0):
     raise AssertionError("condition not reached")
 
 
-def check_usage(usage, prompt_tokens, completion_tokens):
+def check_usage(usage, prompt_tokens, completion_tokens, cached_tokens=0):
     assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
+                     "total_tokens": prompt_tokens + completion_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def test_chat_non_stream(engine, make_client):
@@ -141,6 +142,25 @@ async def test_chat_logprobs(engine, make_client):
     assert [e["token"] for e in content] == ["a", "b"]
     assert content[0] == {"token": "a", "logprob": -0.25, "bytes": [97],
                           "top_logprobs": [{"token": "a", "logprob": -0.25, "bytes": [97]}]}
+
+
+async def test_cached_tokens_in_usage(engine, make_client):
+    """``usage.prompt_tokens_details.cached_tokens``: the engine's prefix-cache hit; with
+    n choices the prompt tokens none of them computed (the smallest hit)."""
+    engine.cached_tokens = lambda rid: 1 if rid.endswith("-0") else 4
+    async with make_client(engine) as client:
+        body = await (await client.post("/v1/chat/completions", json=chat_body("hello"))).json()
+        check_usage(body["usage"], 5, 5, cached_tokens=4)
+        body = await (await client.post("/v1/completions", json={
+            "prompt": "abcde", "max_tokens": 2, "n": 2})).json()
+        check_usage(body["usage"], 5, 4, cached_tokens=1)
+        chunks, _ = await sse_events(await client.post("/v1/chat/completions", json=chat_body(
+            "hey", n=2, stream=True, stream_options={"include_usage": True})))
+        check_usage(chunks[-1]["usage"], 3, 6, cached_tokens=1)
+        engine.cached_tokens = lambda rid: 2
+        chunks, _ = await sse_events(await client.post("/v1/completions", json={
+            "prompt": "abc", "stream": True, "stream_options": {"include_usage": True}}))
+        check_usage(chunks[-1]["usage"], 3, 3, cached_tokens=2)
 
 
 async def test_completions_non_stream_and_stream(engine, make_client):

@@ -123,7 +123,8 @@ def test_response_shapes():
     lp = [TokenLogprob(104, "h", float("-inf"), {"h": -0.1})]
     shapes = protocol.ChatShapes("chatcmpl-1", "m", num_logprobs=1)
     body = shapes.response([ChoiceResult(0, "h", "stop", 1, lp)], 4)
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     entry = body["choices"][0]["logprobs"]["content"][0]
     assert entry["logprob"] == -9999.0 and entry["top_logprobs"][0]["token"] == "h"
     cshapes = protocol.CompletionShapes("cmpl-1", "m", include_usage=True, num_logprobs=1)

@@ -65,6 +65,9 @@ async def test_metrics(engine, make_client):
                  "cvllm_kv_blocks_total 100", "cvllm_kv_blocks_free 40",
                  "cvllm_prompt_tokens_total 123", "cvllm_generation_tokens_total 456",
                  "cvllm_preemptions_total 3", 'cvllm_request_success_total{finish_reason="stop"} 5',
+                 "cvllm_kv_blocks_cached 7", "cvllm_prefix_cache_queries_total 900",
+                 "cvllm_prefix_cache_hits_total 640",
+                 "# TYPE cvllm_prefix_cache_hits_total counter",
                  'cvllm_request_success_total{finish_reason="abort"} 0',
                  "# TYPE cvllm_request_success_total counter",
                  "# TYPE cvllm_kv_blocks_free gauge"]:
