@@ -7,7 +7,10 @@ GET /health, GET /metrics.
 
 Any aiohttp runner works. ``start_server``/``run_server`` also pass
 ``handler_cancellation=True``, so a client that disconnects cancels its handler (and so
-aborts its engine requests) at once rather than at the handlers' next disconnect poll.
+aborts its engine requests) at once rather than at the handlers' next disconnect poll,
+and listen through ``edge.EdgeSite`` (connection cap, idle and header timeouts; see
+``edge.py``). The body timeout and the UTF-8 check of headers are middleware, so they hold
+under any runner.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from aiohttp import web
 
 from cvllm.server import handlers, protocol
 from cvllm.server.context import CONTEXT_KEY, ServerContext, ServerSettings
+from cvllm.server.edge import EdgeSite, edge_middleware, handler_args
 from cvllm.server.metrics import CONTENT_TYPE, render_metrics
 from cvllm.server.middleware import auth_middleware, error_middleware, json_dumps
 
@@ -27,10 +31,11 @@ __all__ = ["ServerSettings", "build_app", "start_server", "run_server", "serve_f
 
 
 def build_app(engine: Any, settings: ServerSettings) -> web.Application:
-    middlewares = [error_middleware]
+    middlewares = [error_middleware, edge_middleware(settings)]
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares,
+                          handler_args=handler_args(settings))
     app[CONTEXT_KEY] = ServerContext(engine, settings)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -78,15 +83,17 @@ async def start_server(app: web.Application, settings: ServerSettings) -> web.Ap
     """
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    site = EdgeSite(runner, settings)
     await site.start()
     return runner
 
 
 def run_server(engine: Any, settings: ServerSettings) -> None:
     """Serve until interrupted (blocking); for a CLI that owns no event loop of its own."""
-    web.run_app(build_app(engine, settings), host=settings.host, port=settings.port,
-                handler_cancellation=True, print=None)
+    try:
+        asyncio.run(serve_forever(engine, settings))
+    except KeyboardInterrupt:
+        pass
 
 
 async def serve_forever(engine: Any, settings: ServerSettings) -> None:

@@ -27,12 +27,29 @@ class ServerSettings:
     """Model id shown in /v1/models and responses; defaults to ``engine.model_name``."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Larger request bodies are answered 413 before being read into memory."""
+    keepalive_timeout_s: float = 75.0
+    """An idle connection (no request in progress, no byte of the next one) is closed
+    after this long; above the 60 s idle timeout of common load balancers, so that they,
+    not we, close a pooled connection (nginx's default is 75 s too)."""
+    header_timeout_s: float = 30.0
+    """From a request's first byte, its headers must be complete within this (slowloris);
+    else 408 and the connection closes."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this once its headers are in; else 408
+    and the connection closes."""
+    max_connections: int = 1024
+    """Most open client connections; beyond it a new one is answered 503 and closed."""
 
     def __post_init__(self) -> None:
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        for name in ("keepalive_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.api_key == "":
             self.api_key = None  # an empty key would otherwise accept "Bearer " only
 

@@ -32,8 +32,13 @@ def json_dumps(obj: object) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def _ascii_dumps(obj: object) -> str:
+    # Error messages may quote what a client sent; ASCII escapes can never fail to encode.
+    return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+
+
 def error_response(status: int, body: dict, headers: Optional[dict] = None) -> web.Response:
-    return web.json_response(body, status=status, headers=headers, dumps=json_dumps)
+    return web.json_response(body, status=status, headers=headers, dumps=_ascii_dumps)
 
 
 def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -76,8 +81,9 @@ def auth_middleware(api_key: str):
         if request.path not in PUBLIC_PATHS:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             # compare_digest: the time taken must not reveal how much of the key matched.
+            # surrogateescape: aiohttp decodes header bytes that are not UTF-8 that way.
             if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode("utf-8"), expected):
+                    token.strip().encode("utf-8", "surrogateescape"), expected):
                 raise ApiError(401, "Invalid or missing API key; send 'Authorization: "
                                     "Bearer <key>'.", type="authentication_error",
                                code="invalid_api_key")

@@ -150,6 +150,9 @@ BAD_INPUTS = [
     ("unknown model", dict(body={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}), 404),
     ("missing api key", dict(body={"messages": [{"role": "user", "content": "hi"}]}, key=None), 401),
     ("wrong api key", dict(body={"messages": [{"role": "user", "content": "hi"}]}, key="wrong"), 401),
+    ("lone surrogate in model", dict(raw='{"model": "a\\ud800b", "messages": [{"role": "user", "content": "hi"}]}'), 400),
+    ("lone surrogate in content", dict(raw='{"messages": [{"role": "user", "content": "a\\udfffb"}]}'), 400),
+    ("invalid utf-8 body", dict(raw=b'{"messages": [{"role": "user", "content": "a\xffb"}]}'), 400),
 ]
 
 
@@ -163,6 +166,16 @@ def test_bad_input(server, client, name, kw, status):
     ok = client.chat.completions.create(model=_model(client), messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_header_bytes_not_utf8_are_400(server):
+    base, _ = server
+    r = requests.post(base + "/v1/chat/completions", timeout=60,
+                      data=json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                      headers={"Content-Type": "application/json",
+                               "Authorization": b"Bearer " + API_KEY.encode() + b"\xff"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_prompt_longer_than_context(server):
