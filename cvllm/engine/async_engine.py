@@ -24,6 +24,11 @@ logger = logging.getLogger("cvllm.engine")
 _WARMUP_ID = "__cvllm_warmup__"
 
 
+def _aborted(request_id: str) -> RequestOutput:
+    """The last output of a request that ``abort_all`` ended (no new text)."""
+    return RequestOutput(request_id, "", [], 0, 0, finished=True, finish_reason="abort")
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
@@ -40,6 +45,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._draining = threading.Event()
+        self._aborting_all = False  # engine thread only: abort_all ran
         self._error: Optional[BaseException] = None
         self._metrics = engine.metrics()
         self._thread: Optional[threading.Thread] = None
@@ -79,6 +85,14 @@ class AsyncEngine:
         """Refuse new requests (``/health`` and new requests answer 503); the ones in
         flight run to completion (SIGTERM: ``server/lifecycle.py``)."""
         self._draining.set()
+
+    def abort_all(self) -> None:
+        """End every request in flight now (the drain ran out of time, or a second signal):
+        each caller gets a last output with ``finish_reason="abort"`` (streams then send
+        their final chunk and ``[DONE]``), and requests still arriving are ended the same
+        way. Runs on the engine thread, after the outputs already queued."""
+        self._draining.set()
+        self._commands.put(("abort_all", None))
 
     def num_in_flight(self) -> int:
         """Requests whose caller still waits for outputs."""
@@ -174,6 +188,9 @@ class AsyncEngine:
         kind, arg = cmd
         if kind == "add":
             request_id, prompt, params = arg
+            if self._aborting_all and request_id != _WARMUP_ID:
+                self._deliver(_aborted(request_id))
+                return
             try:
                 self.engine.add_request(request_id, prompt, params)
             except ValueError as e:
@@ -181,6 +198,21 @@ class AsyncEngine:
         elif kind == "abort":
             self.engine.abort_request(arg)
             self._metrics = self.engine.metrics()
+        elif kind == "abort_all":
+            self._aborting_all = True
+            self._abort_everything()
+
+    def _abort_everything(self) -> None:
+        with self._lock:
+            waiting = [rid for rid in self._queues]
+        for rid in list(self.engine.requests):
+            if rid != _WARMUP_ID:
+                self.engine.abort_request(rid)
+        self._metrics = self.engine.metrics()
+        for rid in waiting:
+            self._deliver(_aborted(rid))
+        if waiting:
+            logger.warning("aborted %d request(s) still in flight", len(waiting))
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.request_id == _WARMUP_ID:

@@ -43,7 +43,19 @@ SHUTDOWN_WAIT_S = 30.0
 """After SHUTDOWN, how long rank 0 waits for the ranks it spawned to exit."""
 WORKER_SIGTERM_WAIT_S = 90.0
 """A worker that got SIGTERM / SIGINT waits this long for rank 0's SHUTDOWN (rank 0
-drains first, ``server/lifecycle.py``), then leaves."""
+drains first, ``server/lifecycle.py``), then leaves; with ``--shutdown-timeout`` (serve)
+it waits that timeout plus WORKER_GRACE_S instead."""
+WORKER_GRACE_S = 3.0
+"""Rank 0 aborts what is left at the shutdown timeout and sends SHUTDOWN about a second
+later; a worker waits this long past the timeout (the bound is 5 s)."""
+WORKER_SECOND_SIGNAL_WAIT_S = 2.5
+"""After a second SIGTERM / SIGINT a worker waits this much more for SHUTDOWN (rank 0,
+signalled too, aborts and sends it at once), then leaves."""
+EXIT_DEADLINE_S = 4.5
+"""A signalled rank is gone this long after its shutdown timeout (or after a second
+signal) whatever hangs (``utils/exit_deadline.py``); after SHUTDOWN a worker is gone
+within EXIT_AFTER_SHUTDOWN_S."""
+EXIT_AFTER_SHUTDOWN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,9 @@ class ParallelOptions:
     """This process's arguments after ``cvllm``: spawned ranks rerun them."""
     log_file: Optional[str] = None
     log_level: str = "INFO"
+    shutdown_timeout_s: Optional[float] = None
+    """``serve --shutdown-timeout``: how long rank 0 drains after SIGTERM; bounds how
+    long a signalled worker waits for SHUTDOWN (None: WORKER_SIGTERM_WAIT_S)."""
 
 
 class SPMDRunner:
@@ -275,7 +290,8 @@ def _run_process_rank(env, par: ParallelOptions, engine_options: Dict[str, Any],
     if env.rank == 0:
         run_rank0(env, engine_options, rank0_main, supervisor, control, device, link)
     else:
-        _worker(env, engine_options, control, device, link, supervisor)
+        _worker(env, engine_options, control, device, link, supervisor,
+                par.shutdown_timeout_s)
 
 
 def _spawn_local_ranks(env, par: ParallelOptions, children: LocalRanks) -> None:
@@ -397,18 +413,20 @@ def _leave_groups() -> None:
         logger.warning("leaving the process groups failed: %s", e)
 
 
-def _worker(env, engine_options, control, device, reporter, supervisor) -> None:
+def _worker(env, engine_options, control, device, reporter, supervisor,
+            shutdown_timeout_s: Optional[float] = None) -> None:
     from cvllm.engine.builder import build_engine_config
+    from cvllm.utils.exit_deadline import exit_by
     from cvllm.worker.worker_loop import run_worker
 
-    stop_at = _defer_termination()
+    stop_requested = _defer_termination(shutdown_timeout_s)
     try:
         setup = build_engine_config(**engine_options, tp_size=env.world_size, device=device)
-        run_worker(env, setup.config, setup.source, control,
-                   stop_requested=lambda: bool(stop_at) and time.monotonic() - stop_at[0]
-                   > WORKER_SIGTERM_WAIT_S)
+        run_worker(env, setup.config, setup.source, control, stop_requested=stop_requested)
     except BaseException as e:  # noqa: BLE001 - any failure ends the job
         _abort_after(env, supervisor, f"rank {env.rank} failed: {e!r}", e, reporter)
+    # The job is over: leaving (health link, process groups, MPI) must not hang.
+    exit_by(EXIT_AFTER_SHUTDOWN_S, f"rank {env.rank} after SHUTDOWN", code=0)
     if reporter is not None:
         reporter.close()
     control.close()
@@ -433,20 +451,38 @@ def _exit_now(env) -> None:
     os._exit(0)
 
 
-def _defer_termination() -> List[float]:
+def _defer_termination(shutdown_timeout_s: Optional[float] = None) -> Callable[[], bool]:
     """Workers: SIGTERM / SIGINT (mpirun and torchrun forward them to every rank) do not
-    stop the rank at once; it waits for rank 0's SHUTDOWN, at most
-    WORKER_SIGTERM_WAIT_S. Returns a list that holds the signal's time once one came."""
-    stop_at: List[float] = []
+    stop the rank at once; it waits for rank 0's SHUTDOWN, at most the shutdown timeout
+    plus WORKER_GRACE_S (WORKER_SIGTERM_WAIT_S without one), or WORKER_SECOND_SIGNAL_WAIT_S
+    after a second signal; the exit deadline bounds the rest. Returns ``stop_requested``
+    for the worker loop: true once the rank should give up waiting."""
+    times: List[float] = []
+    wait = WORKER_SIGTERM_WAIT_S if shutdown_timeout_s is None \
+        else shutdown_timeout_s + WORKER_GRACE_S
 
     def handler(signum, _frame) -> None:
-        if not stop_at:
-            stop_at.append(time.monotonic())
-            logger.info("%s: waiting for rank 0's SHUTDOWN", signal.Signals(signum).name)
+        from cvllm.utils.exit_deadline import exit_by
+
+        name = signal.Signals(signum).name
+        times.append(time.monotonic())
+        if len(times) == 1:
+            logger.info("%s: waiting for rank 0's SHUTDOWN (at most %.0f s)", name, wait)
+            if shutdown_timeout_s is not None:
+                exit_by(shutdown_timeout_s + EXIT_DEADLINE_S, f"{name} on a worker")
+        elif len(times) == 2:
+            logger.warning("second %s: waiting at most %.1f s more for SHUTDOWN", name,
+                           WORKER_SECOND_SIGNAL_WAIT_S)
+            exit_by(EXIT_DEADLINE_S, f"second {name} on a worker")
+
+    def stop_requested() -> bool:
+        now = time.monotonic()
+        return bool(times) and (now - times[0] > wait or (
+            len(times) > 1 and now - times[1] > WORKER_SECOND_SIGNAL_WAIT_S))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    return stop_at
+    return stop_requested
 
 
 def thread_env(env, rank: int):

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 
 from cvllm.outputs import RequestOutput, TokenLogprob
 from cvllm.sampling_params import SamplingParams
-from cvllm.server.protocol import ChoiceResult
+from cvllm.server.protocol import ApiError, ChoiceResult
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,13 @@ class ChoiceState:
             self.finish_reason = out.finish_reason or "stop"
 
     def result(self) -> ChoiceResult:
+        """The whole choice (non-streamed answers). The engine ends a request with
+        'abort' only when the server shuts down (``AsyncEngine.abort_all``): then there is
+        no answer to give and the request fails with 503, as the issue asks for."""
+        if self.finished and self.finish_reason == "abort":
+            raise ApiError(503, "The server is shutting down; the request was aborted "
+                                "before it finished.", type="server_error",
+                           code="shutting_down")
         # A choice whose iterator ended without a final output was cut short.
         reason = self.finish_reason if self.finished else "abort"
         return ChoiceResult(self.index, "".join(self._parts), reason,

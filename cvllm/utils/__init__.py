@@ -1,0 +1,1 @@
+"""Stdlib-only helpers shared by every layer."""
