@@ -16,12 +16,23 @@ sequence that finishes or is aborted while steps that use it are in flight are f
 only after ``update()`` of the last of them (DESIGN rule 8: KV blocks are freed only
 after every rank has finished the step).
 
-Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
-  1. RUNNING sequences with one token left (decodes), oldest first;
-  2. RUNNING sequences still catching up (chunked prefill), up to ``chunk_limit`` each;
+Policy, per step, under the token budget ``max_num_batched_tokens`` (B) and
+``max_num_seqs`` (vLLM v1's order, plus a share kept for new requests):
+  1. RUNNING sequences with one token left (decodes), oldest first, one token each. They
+     are never held back by a prefill: they take the budget first, and they are
+     scheduled even past it (a step then has at most ``max(B, max_num_seqs)`` tokens);
+  2. RUNNING sequences still catching up (chunked prefill), oldest first, up to
+     ``chunk_limit`` each, from what the decodes left. While WAITING sequences could be
+     admitted, these chunks leave part of it for them (``_reserve_for_waiting``: what
+     the waiting sequences ask for, at most half), so a request that arrives while a long
+     prompt is being prefilled is admitted in the next step and starts its own prefill
+     beside it; what the admissions do not use goes back to the running chunks;
   3. WAITING sequences FCFS, same chunk rule, admitted only if their blocks fit and only
      when nothing was preempted this step. With ``prefill_chunk_size == 0`` the whole
      uncomputed part must fit in one step, or the sequence waits.
+So a long prompt costs each step at most B tokens of work, whatever else runs: B bounds
+the time between two tokens of a decoding stream and, with the share kept for admissions,
+the wait of a new request for its first token.
 When a running sequence cannot get a block, the most recently admitted running sequence
 (possibly itself) is preempted by recompute: its blocks (and state slot) are freed,
 num_computed_tokens goes back to 0, its output tokens are kept and it re-enters at the
@@ -51,6 +62,7 @@ rather than preempted forever; the engine sees it in ``SchedulerOutput.finished`
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
@@ -125,6 +137,14 @@ class _StepBuilder:
         prev_row = seq.last_sample_row if seq.num_pending_tokens else -1
         self.scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, start, prev_row)
         seq.num_computed_tokens += n  # counted as computed from now on
+        self.budget -= n
+
+    def extend(self, entry: ScheduledSeq, n: int) -> None:
+        """``n`` more tokens for a sequence already in this step, right after its own."""
+        seq = entry.seq
+        entry.num_new_tokens += n
+        entry.samples = entry.start + entry.num_new_tokens == seq.num_tokens
+        seq.num_computed_tokens += n
         self.budget -= n
 
 
@@ -249,6 +269,7 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
+            self._top_up_running(step)
         finished, self._finished_ids = self._finished_ids, []
         if not step.scheduled:
             return SchedulerOutput(self._step_id, [], step.preempted, finished, step.starved)
@@ -272,24 +293,69 @@ class Scheduler:
     def _schedule_running(self, step: _StepBuilder) -> None:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
+        for seq in decodes:  # never held back by the budget (policy 1)
+            if seq.status is SequenceStatus.RUNNING:
+                self._schedule_one_running(seq, 1, step)
+        reserve = self._reserve_for_waiting(max(step.budget, 0)) if prefills else 0
+        step.budget -= reserve
+        for seq in prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted or finished earlier in this loop
             if step.budget <= 0:
                 break
-            if self._last_token_in_flight(seq):
-                continue
-            if not self._can_ever_fit(seq):
-                self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                continue
-            n = self._num_new_tokens(seq, step.budget)
-            if n == 0 or not self._make_room(seq, n, step):
-                continue
-            self.kv_cache_manager.allocate(seq, n)
-            step.add(seq, n)
+            self._schedule_one_running(seq, self._num_new_tokens(seq, step.budget), step)
+        step.budget += reserve
         # Only now is it certain that these sequences' tokens are computed this step.
         for entry in step.scheduled.values():
             self.kv_cache_manager.cache_blocks(entry.seq)
+
+    def _schedule_one_running(self, seq: Sequence, n: int, step: _StepBuilder) -> None:
+        if self._last_token_in_flight(seq):
+            return
+        if not self._can_ever_fit(seq):
+            self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+            return
+        if n == 0 or not self._make_room(seq, n, step):
+            return
+        self.kv_cache_manager.allocate(seq, n)
+        step.add(seq, n)
+
+    def _reserve_for_waiting(self, budget: int) -> int:
+        """Tokens the running prefill chunks leave for admissions (policy 2): what the
+        WAITING sequences that could be admitted ask for (their prompts, before any
+        prefix hit), at most half of ``budget``; 0 without a free sequence slot. What the
+        admissions leave (a prefix hit, blocks that do not fit) goes back to the running
+        chunks in ``_top_up_running``."""
+        slots = self.config.max_num_seqs - len(self.running)
+        if not self.waiting or slots <= 0 or budget < 2:
+            return 0
+        cap, want = budget // 2, 0
+        for i, seq in enumerate(self.waiting):
+            if i >= slots or want >= cap:
+                break
+            want += min(seq.num_uncomputed_tokens, self.config.chunk_limit)
+        return min(want, cap)
+
+    def _top_up_running(self, step: _StepBuilder) -> None:
+        """Give the budget the admissions left to the running prefill chunks that
+        ``_reserve_for_waiting`` held back, oldest first, as far as free blocks go (no
+        preemption for it)."""
+        kv, bs = self.kv_cache_manager, self.block_manager.block_size
+        for entry in list(step.scheduled.values()):
+            if step.budget <= 0:
+                break
+            seq = entry.seq
+            if entry.samples:
+                continue  # a decode, or a chunk that completes its sequence's tokens
+            room = self.config.chunk_limit - entry.num_new_tokens
+            extra = min(seq.num_uncomputed_tokens, room, step.budget)
+            while extra > 0 and not kv.can_allocate(seq, extra):
+                extra -= (seq.num_computed_tokens + extra) % bs or bs  # one block less
+            if extra <= 0:
+                continue
+            kv.allocate(seq, extra)
+            step.extend(entry, extra)
+            kv.cache_blocks(seq)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         kv = self.kv_cache_manager
@@ -309,6 +375,8 @@ class Scheduler:
             kv.assign_state_slot(seq)
             kv.record_lookup(seq, hit)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             step.add(seq, n)
             kv.cache_blocks(seq)

@@ -91,6 +91,8 @@ class Sequence:
         self.params = params
         self.eos_token_ids: List[int] = list(eos_token_ids)
         self.arrival_time = arrival_time
+        self.first_scheduled_time: Optional[float] = None
+        """``time.monotonic()`` when the scheduler first admitted it (queue time)."""
         self.token_ids: List[int] = [int(t) for t in prompt_token_ids]
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0

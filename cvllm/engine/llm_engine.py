@@ -32,10 +32,14 @@ from cvllm.core.sequence import Sequence
 from cvllm.core.step_input import build_step_input
 from cvllm.engine.detokenizer import IncrementalDetokenizer
 from cvllm.engine.tokenizer import Tokenizer
-from cvllm.outputs import EngineMetrics, RequestOutput, TokenLogprob
+from cvllm.outputs import EngineMetrics, LatencyHistograms, RequestOutput, TokenLogprob
 from cvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("cvllm.engine")
+
+INTERNAL_REQUEST_PREFIX = "__cvllm_"
+"""Request ids of the engine's own requests (the server's warm-up), which the latency
+histograms leave out."""
 
 
 class PromptTooLongError(ValueError):
@@ -65,6 +69,10 @@ class _Request:
     detok: IncrementalDetokenizer
     num_emitted_tokens: int = 0
     pending_logprobs: List[TokenLogprob] = field(default_factory=list)
+    last_token_time: Optional[float] = None
+    """When the latest output with generated tokens was made (None before the first)."""
+    timed: bool = True
+    """Counted in the latency histograms (not the server's internal warm-up request)."""
 
 
 class LLMEngine:
@@ -95,6 +103,8 @@ class LLMEngine:
         self.eos_token_ids = list(config.model.eos_token_ids)
         self.stats = Counter()
         self.finished_by_reason: Counter = Counter()
+        self.latency = LatencyHistograms()
+        """TTFT, inter-token, end-to-end and queue time of requests (``/metrics``)."""
         self.overlap = overlap and hasattr(runner, "launch")
         """Launch step N+1 before waiting for step N (needs ``runner.launch``)."""
         self._in_flight: Optional[_InFlight] = None
@@ -131,7 +141,8 @@ class LLMEngine:
         seq.max_tokens = params.max_tokens
         detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        self.requests[request_id] = _Request(seq, detok)
+        self.requests[request_id] = _Request(
+            seq, detok, timed=not request_id.startswith(INTERNAL_REQUEST_PREFIX))
         self._request_of[seq.seq_id] = request_id
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_token_ids)
@@ -216,6 +227,8 @@ class LLMEngine:
         text_ids = new_ids
         if seq.is_finished() and isinstance(seq.stop_reason, int):
             text_ids = new_ids[:-1]  # EOS / stop token: counted in usage, never shown as text
+        if new_ids and req.timed:
+            self._observe_tokens(req)
         res = req.detok.push(text_ids)
         delta = res.delta_text
         if res.stop_hit is not None and not seq.is_finished():
@@ -234,9 +247,24 @@ class LLMEngine:
         )
 
     def _retire(self, req: _Request) -> None:
-        self.requests.pop(req.seq.request_id, None)
-        self._request_of.pop(req.seq.seq_id, None)
-        self.finished_by_reason[req.seq.finish_reason or "stop"] += 1
+        seq = req.seq
+        self.requests.pop(seq.request_id, None)
+        self._request_of.pop(seq.seq_id, None)
+        self.finished_by_reason[seq.finish_reason or "stop"] += 1
+        if not req.timed:
+            return
+        self.latency.e2e_request_latency.observe(time.monotonic() - seq.arrival_time)
+        if seq.first_scheduled_time is not None:
+            self.latency.request_queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
+
+    def _observe_tokens(self, req: _Request) -> None:
+        """An output of req carries generated tokens: its TTFT, or one inter-token gap."""
+        now = time.monotonic()
+        if req.last_token_time is None:
+            self.latency.time_to_first_token.observe(now - req.seq.arrival_time)
+        else:
+            self.latency.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
 
     def _token_logprob(self, result, row: int) -> TokenLogprob:
         tok = int(result.token_ids[row])
@@ -263,6 +291,7 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             steps_total=self.stats["steps"],
             requests_finished=dict(self.finished_by_reason),
+            latency=self.latency.copy(),
         )
 
 

@@ -60,7 +60,7 @@ def kv_cache_budget(p: MemoryProfile, fraction: float, num_tokens: int) -> int:
             f"take {p.weights / _GIB:.2f} GiB, a step of {num_tokens} tokens "
             f"{p.peak_activation / _GIB:.2f} GiB, CUDA graphs {p.graph_margin / _GIB:.2f} GiB "
             f"and the CUDA context / other processes {p.non_torch / _GIB:.2f} GiB: lower "
-            "--prefill-chunk-size / --max-num-seqs, pass --disable-cuda-graph, or use a "
+            "--max-num-batched-tokens / --max-num-seqs, pass --disable-cuda-graph, or use a "
             "larger GPU"
         )
     return int(fraction * left)

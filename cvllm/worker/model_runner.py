@@ -142,13 +142,13 @@ class ModelRunner:
         elif self.device.type == "cuda":
             profile = memory.measure(
                 self.model, self.cache_specs, block_size=cache.block_size,
-                num_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                num_tokens=sched.max_step_tokens, max_seqs=sched.max_num_seqs,
                 max_len=min(sizing.max_chunk, sizing.max_model_len),
                 decode_rows=capture_sizes(sched.max_num_seqs)[-1] if capture else 0,
                 device=self.device,
             )
             budget = memory.kv_cache_budget(profile, cache.gpu_memory_fraction,
-                                            sched.max_num_batched_tokens)
+                                            sched.max_step_tokens)
         else:
             import psutil
 

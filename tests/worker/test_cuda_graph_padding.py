@@ -305,7 +305,7 @@ def test_runner_dispatches_pure_decode_steps_padded(monkeypatch):
 
 PROMPTS = [[3, 17, 9, 4, 50, 31, 8], [7, 7, 1, 20, 45, 13, 8, 41, 12, 60, 5, 19, 23],
            [10, 2, 33, 44, 55]]
-NEW = [10, 7, 4]  # rows finish at different steps: 3, then 2, then 1 decoding
+NEW = [12, 7, 4]  # rows finish at different steps: 3, then 2, then 1 decoding
 
 
 def _generate(padded: bool):
