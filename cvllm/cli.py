@@ -46,8 +46,14 @@ def _model_options(f: Callable) -> Callable:
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--max-model-len", type=int, default=0,
                      help="Context length (default: the model's own)."),
-        click.option("--prefill-chunk-size", type=int, default=8192, show_default=True,
-                     help="Most prompt tokens per sequence per step; 0 disables chunking."),
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+                     help="Token budget of one step, shared by the decodes (scheduled "
+                          "first, one token each) and the prompt chunks; bounds the gap "
+                          "between a stream's tokens while long prompts are prefilled. "
+                          "Default: 8192 on GPU, 128 on CPU (or --prefill-chunk-size)."),
+        click.option("--prefill-chunk-size", type=click.IntRange(min=0), default=None,
+                     help="Most prompt tokens of one sequence per step, under the step "
+                          "budget (default: the budget); 0 disables chunking."),
         click.option("--isq", default=None,
                      help="Quantize a Hugging Face folder's float weights while loading: "
                           "q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k or q6k."),
@@ -142,6 +148,7 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
         kvcache_mem_mb=kw["kvcache_mem"], gpu_memory_fraction=kw["gpu_memory_fraction"],
         max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
         max_model_len=kw["max_model_len"], prefill_chunk_size=kw["prefill_chunk_size"],
+        max_num_batched_tokens=kw.get("max_num_batched_tokens"),
         max_gen_tokens=kw["max_gen_tokens"], seed=kw["seed"], load_format=kw["load_format"],
         served_model_name=kw.get("served_model_name"),
         yarn_scaling_factor=kw.get("yarn_scaling_factor"),
@@ -165,6 +172,7 @@ def parallel_options(kw: Dict[str, Any]):
         num_nodes=kw["num_nodes"], node_rank=kw["node_rank"], master_addr=kw["master_addr"],
         master_port=kw["master_port"], multithread=kw["multithread"], bind=kw["bind"],
         argv=tuple(sys.argv[1:]), log_file=kw["log_file"], log_level=kw["log_level"],
+        shutdown_timeout_s=kw.get("shutdown_timeout"),
     )
 
 
@@ -204,6 +212,19 @@ def main() -> None:
 @click.option("--p", "--port", "port", type=int, default=2000, show_default=True)
 @click.option("--served-model-name", default=None, help="Model name in the API (default: from the weights).")
 @click.option("--api-key", default=None, envvar="CVLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("--keepalive-timeout", type=click.FloatRange(min=0, min_open=True), default=75.0,
+              show_default=True, help="Seconds an idle HTTP connection stays open.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds from a request's first byte to the end of its "
+                                      "headers; else 408 and close (slowloris).")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Seconds for a request's whole body to arrive after "
+                                      "its headers; else 408 and close.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Most open HTTP connections; beyond it new ones get a 503 and are closed.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds that requests in flight may run on after SIGTERM / Ctrl-C; then "
+                   "they are aborted and every rank exits within 5 s more.")
 def serve(**kw: Any) -> None:
     """Serve a model over the OpenAI API (chat, completions, models, health, metrics)."""
     from cvllm.logger import init_logging
@@ -224,21 +245,26 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     async_engine = AsyncEngine(engine, name, defaults)
     rank0.watch(async_engine)  # a dead or silent rank turns /health 503
     settings = ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
-                              served_model_name=name)
+                              served_model_name=name,
+                              keepalive_timeout_s=kw["keepalive_timeout"],
+                              header_timeout_s=kw["header_timeout"],
+                              body_timeout_s=kw["body_timeout"],
+                              max_connections=kw["max_connections"])
     app = build_app(async_engine, settings)
 
     async def on_startup(_app) -> None:
         async_engine.start()
 
     async def on_cleanup(_app) -> None:
-        async_engine.shutdown()
+        async_engine.shutdown(timeout=1.0)  # bounded: the exit deadline is running
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    # SIGTERM / Ctrl-C: new requests get 503 while those in flight finish; then the
-    # engine stops and run_job sends SHUTDOWN to the other ranks.
-    serve_until_signal(app, settings, async_engine, on_listening=lambda: logger.info(
-        "serving %s on http://%s:%d/v1", name, kw["host"], kw["port"]))
+    # SIGTERM / Ctrl-C: new requests get 503 while those in flight run on for at most
+    # --shutdown-timeout, then are aborted; the engine stops and run_job sends SHUTDOWN.
+    serve_until_signal(app, settings, async_engine, shutdown_timeout_s=kw["shutdown_timeout"],
+                       on_listening=lambda: logger.info(
+                           "serving %s on http://%s:%d/v1", name, kw["host"], kw["port"]))
 
 
 @main.command()

@@ -116,35 +116,65 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 128}
+"""Step token budget by device when neither --max-num-batched-tokens nor
+--prefill-chunk-size is given. CUDA: vLLM's online-serving default. CPU: a step's time
+grows about linearly with its tokens (default model on 2 cores: ~1 ms a prompt token,
+plus attention over the context, ~0.65 s for a 128-token chunk at 8k tokens of context),
+so 128 keeps a decoding stream's gap under 1 s and a new request's first token within
+2 s while an 8k-token prompt is prefilled (``tools/bench_fairness.py``)."""
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_model_len: int = 4096
     """Longest sequence; copied from ModelConfig.max_model_len."""
-    prefill_chunk_size: int = 8192
-    """Most prompt tokens of one sequence per step; 0 disables chunking."""
+    prefill_chunk_size: Optional[int] = None
+    """Most prompt tokens of one sequence per step, a cap under the step budget (several
+    long prompts then share a step); None: no cap but the budget; 0 disables chunking (a
+    prompt is computed in one step or waits)."""
     max_num_batched_tokens: int = 0
-    """Token budget per step; 0 derives it (max of chunk size and max_num_seqs)."""
+    """Token budget of one step (--max-num-batched-tokens), shared by the decodes (one
+    token each, scheduled first and even past it) and the prefill chunks. 0 derives it:
+    max_model_len without chunking, else --prefill-chunk-size, else
+    ``DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']``; never below max_num_seqs.
+    ``engine/builder.py`` passes the device's default when no flag sets it."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.prefill_chunk_size < 0:
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 0:
             raise ConfigError(f"--prefill-chunk-size must be >= 0, got {self.prefill_chunk_size}")
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens < 0:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1 (0: derived), got "
+                              f"{self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens == 0:
             if self.prefill_chunk_size == 0:
                 # No chunking: a whole prompt must fit in one step.
-                self.max_num_batched_tokens = max(self.max_model_len, self.max_num_seqs)
+                derived = self.max_model_len
+            elif self.prefill_chunk_size is not None:
+                derived = self.prefill_chunk_size
             else:
-                self.max_num_batched_tokens = max(self.prefill_chunk_size, self.max_num_seqs)
+                derived = DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
+            self.max_num_batched_tokens = max(derived, self.max_num_seqs)
 
     @property
     def chunk_limit(self) -> int:
         """Most prompt tokens one sequence may take in one step."""
         return self.prefill_chunk_size or self.max_model_len
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Most tokens one step can hold: the budget, or one per decode past it."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
 
 
 @dataclass

@@ -15,6 +15,7 @@ BAD_FLAGS = [
     (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--prefill-chunk-size", "-1"], "--prefill-chunk-size"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["--mem", "0"], "--mem"),
     (["--max-model-len", "-5"], "--max-model-len"),
     (["--temperature", "5"], "--temperature"),
