@@ -36,17 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cvllm.engine.llm import LLM  # noqa: E402
 from cvllm.sampling_params import SamplingParams  # noqa: E402
-
-WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-         "week case point government company number group problem fact river light stone "
-         "cloud market garden letter music window system water history story paper").split()
-
-
-def random_tokens(tokenizer, rng: random.Random, n: int) -> List[int]:
-    ids: List[int] = []
-    while len(ids) < n:
-        ids += tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(n)))
-    return ids[:n]
+from bench_prefix_cache import random_tokens  # noqa: E402  (tools/: the same synthetic text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
