@@ -107,3 +107,53 @@ def test_percentiles():
     assert p["p50"] == pytest.approx(3.0) and p["max"] == pytest.approx(5.0)
     assert p["p90"] == pytest.approx(4.6)
     assert bench_serving.percentiles([])["p50"] is None
+
+
+def test_random_workload_reports_hit_rates(server, tmp_path):
+    rep = _bench(server, tmp_path, "--num-requests", "2", "--concurrency", "1", "--input-len", "8",
+                 "--output-len", "2", "--token-range", "3,500")
+    assert rep["schema"] == "cvllm-bench-serving/1" and rep["config"]["concurrency"] == 1
+    assert rep["config"]["workload"] == "random" and rep["completed"] == 2
+    assert 0 <= rep["hit_rate"] <= 1 and rep["total_cached_tokens"] >= 0
+    assert rep["prefix_cache_metrics"]["queries"] > 0
+
+
+def test_multi_turn_sweep_hits_the_prefix_cache(server, tmp_path):
+    sweep = _bench(server, tmp_path, "--workload", "multi-turn", "--conversations", "2",
+                   "--turns", "3", "--system-tokens", "40", "--user-tokens", "6",
+                   "--output-len", "3", "--sweep", "1,2")
+    assert sweep["schema"] == "cvllm-bench-serving-sweep/1" and sweep["workload"] == "multi-turn"
+    assert [r["concurrency"] for r in sweep["levels"]] == [1, 2]
+    for row, rep in zip(sweep["levels"], sweep["reports"]):
+        assert (row["completed"], row["failed"]) == (6, 0) and rep["errors"] == {}
+        assert row["output_throughput"] > 0
+        assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["itl_ms_p50"] <= row["itl_ms_p99"]
+        assert 0 < row["hit_rate"] <= 1 and 0 < row["metrics_hit_rate"] <= 1
+        turns = rep["turns"]
+        assert [t["turn"] for t in turns] == [1, 2, 3]
+        # each turn resends the history: prompts grow, and later turns find it cached
+        assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
+        assert all(t["cached_tokens"] > 0 for t in turns[1:])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert sweep["plot"] is None and not (tmp_path / "serving.png").exists()
+    else:
+        assert sweep["plot"] and (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_concurrency_list_is_a_sweep_and_bounds():
+    args = bench_serving.parse_args(["--concurrency", "1,4,16"])
+    assert args.sweep == [1, 4, 16] and args.concurrency == 1
+    args = bench_serving.parse_args(["--workload", "multi-turn"])
+    assert args.sweep is None and args.concurrency == 8 and args.endpoint == "chat"
+    assert (args.conversations, args.turns, args.system_tokens) == (64, 6, 2048)
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--sweep", "0,2"])
+
+
+def test_plot_sweep_without_matplotlib_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    why = bench_serving.plot_sweep({"levels": [{"concurrency": 1, "completed": 1}]},
+                                   tmp_path / "x.png")
+    assert "matplotlib is not installed" in why and not (tmp_path / "x.png").exists()
