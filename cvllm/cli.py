@@ -90,6 +90,16 @@ def _model_options(f: Callable) -> Callable:
         click.option("--log", "log_file", default=None,
                      help="Also log to this file; rank N > 0 writes NAME.rankN.EXT."),
         click.option("--log-level", default="INFO", show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _job_options(f: Callable) -> Callable:
+    """Flags shared by ``serve`` and ``generate``: how the ranks of a multi-node or
+    threaded job find each other."""
+    opts = [
         click.option("--num-nodes", type=int, default=1, show_default=True,
                      help="Nodes of an SSH-driven run (launch/ssh_launch.sh); each node "
                           "runs one rank per --device-ids entry."),
@@ -165,7 +175,7 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
 
 def parallel_options(kw: Dict[str, Any]):
     """Flags -> ``spmd.ParallelOptions`` (who runs where; spawned ranks rerun argv)."""
-    from cvllm.engine.spmd import ParallelOptions
+    from cvllm.runtime.spmd import ParallelOptions
 
     return ParallelOptions(
         device_ids=tuple(_parse_device_ids(kw["device_ids"])), cpu=kw["cpu"],
@@ -178,7 +188,7 @@ def parallel_options(kw: Dict[str, Any]):
 
 def _run_job(kw: Dict[str, Any], rank0_main: Callable) -> None:
     """Every rank of the job runs this; rank 0 also runs ``rank0_main(rank0)``."""
-    from cvllm.engine.spmd import run_job
+    from cvllm.runtime.job import run_job
 
     run_job(parallel_options(kw), engine_options(kw), rank0_main)
 
@@ -207,6 +217,7 @@ def main() -> None:
 
 @main.command()
 @_model_options
+@_job_options
 @_sampling_options
 @click.option("--h", "--host", "host", default="127.0.0.1", show_default=True)
 @click.option("--p", "--port", "port", type=int, default=2000, show_default=True)
@@ -269,6 +280,7 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
 
 @main.command()
 @_model_options
+@_job_options
 @_sampling_options
 @click.option("--prompt", "prompts", multiple=True, help="A prompt; repeat for several. '-' reads lines from stdin.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt as a user chat message.")

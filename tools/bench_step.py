@@ -14,7 +14,7 @@ For each batch it runs B random prompts into steady decode through the engine, t
 - the top CUDA kernels of one engine step (``torch.profiler``), to see whether the GEMVs
   run at the copy bandwidth.
 With ``--tp N`` (under torchrun) every rank runs the engine's SPMD job
-(``engine/spmd.run_job``) and rank 0 measures: the graph replay alone and the host-only
+(``runtime/job.run_job``) and rank 0 measures: the graph replay alone and the host-only
 phases are skipped there (the other ranks would not follow), and the kernel table is rank 0's, all-reduce
 waits included. JSON to ``--out``. A diagnostic, not a headline benchmark (that is
 ``tools/bench.py``).
@@ -169,7 +169,8 @@ def main() -> int:
 
         report(LLM(**options).engine, args, cfg, batches, use_cuda)
         return 0
-    from cvllm.engine.spmd import ParallelOptions, run_job
+    from cvllm.runtime.job import run_job
+    from cvllm.runtime.spmd import ParallelOptions
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:

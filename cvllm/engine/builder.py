@@ -1,6 +1,6 @@
 """From user-facing options to a running ``LLMEngine`` (rank 0) or a rank's runner.
 
-Called by ``cli.py`` / ``engine/spmd.py`` and by the offline ``LLM`` class. It resolves
+Called by ``cli.py`` / ``runtime/spmd.py`` and by the offline ``LLM`` class. It resolves
 where the model comes from, builds the config dataclasses (``build_engine_config``: the
 same on every rank, checked before any weight loads, including that the tensor-parallel
 size splits the attention heads), loads the tokenizer and the model (through the
@@ -227,7 +227,7 @@ def build_llm_engine(*, rank: int = 0, tp_size: int = 1, device: Optional[Device
     ``build_engine_config``'s (the CLI flags by their long names); ``disable_cuda_graph``
     and ``attention_backend`` only matter on CUDA (see ``EngineConfig``). With tensor
     parallelism, ``wrap_runner`` wraps the ModelRunner so that each step reaches the
-    other ranks first (``engine/spmd.py``)."""
+    other ranks first (``runtime/spmd.py``)."""
     from cvllm import loader
     from cvllm.worker.model_runner import ModelRunner
 

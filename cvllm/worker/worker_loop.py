@@ -1,12 +1,12 @@
 """The loop of every rank but 0: run the steps rank 0 broadcasts, in order, until SHUTDOWN.
 
-Built by ``engine/spmd.py`` on each rank != 0 after ``init_distributed``; the rank's
+Built by ``runtime/spmd.py`` on each rank != 0 after ``init_distributed``; the rank's
 ``ModelRunner`` (its weight shard and KV cache) is owned by this loop for the life of the
 process. DESIGN rule 8: a worker decides nothing. It receives a message, checks that a
 STEP's ``step_id`` follows the previous one, and runs the same forward as rank 0 (the
 LM head's all-gather included; the runner samples only on rank 0). HEARTBEATs only prove
 that rank 0 is alive; no message at all for ``idle_timeout_s`` means rank 0 is gone and
-the worker fails (the caller turns a failure into a job abort: ``engine/spmd.py``).
+the worker fails (the caller turns a failure into a job abort: ``runtime/spmd.py``).
 
 Fault injection for tests (documented in docs/distributed.md):
 ``CVLLM_FAULT_INJECT="rank=1,step=5"`` raises ``InjectedFault`` on rank 1 just before it

@@ -16,8 +16,8 @@ import pytest
 from cvllm.config import ConfigError
 from cvllm.core.step_input import MessageKind, StepInput
 from cvllm.distributed.control_plane import ControlPlaneTimeout, Message
-from cvllm.engine.launcher import LocalRanks
-from cvllm.engine.spmd import JobSupervisor, SPMDRunner
+from cvllm.runtime.launcher import LocalRanks
+from cvllm.runtime.spmd import JobSupervisor, SPMDRunner
 from cvllm.logger import rank_log_path
 from cvllm.worker.worker_loop import (
     FaultInjector, InjectedFault, WorkerError, serve_steps, step_from_message,
@@ -185,7 +185,7 @@ def test_spawned_stderr_is_relayed_with_the_rank(capfd):
 
 
 def test_supervisor_aborts_after_the_grace(monkeypatch):
-    import cvllm.engine.spmd as spmd
+    import cvllm.runtime.spmd as spmd
 
     aborted = []
     monkeypatch.setattr(spmd, "abort_job", lambda *a: aborted.append(a))

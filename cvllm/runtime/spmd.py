@@ -1,13 +1,15 @@
-"""The SPMD start-up of every rank, and rank 0's side of the lockstep.
+"""The per-rank pieces of the SPMD job, and rank 0's side of the lockstep.
 
-Called once per process by ``cli.py`` (``run_job``) with the parallel flags, the engine
-options and rank 0's main function (serve or generate). Each rank: ``detect_launch_env``
--> per-rank logging -> (spawn / ssh: node-local rank 0 starts the node's other ranks,
-``engine/launcher.py``) -> NUMA pinning (logged) -> the health link (rank 0 listens,
+``runtime/job.run_job`` (called once per process by ``cli.py``) detects the launch and
+picks the mode; this module runs a rank that is a process (``run_process_rank``) and
+holds what the ``--multithread`` mode (``runtime/threads.py``) shares with it
+(``ParallelOptions``, ``SPMDRunner``, ``JobSupervisor``, ``Rank0``, ``run_rank0``). It
+imports neither ``job.py`` nor ``threads.py``: the imports go job -> threads -> spmd.
+A process rank: (spawn / ssh: node-local rank 0 starts the node's other ranks,
+``runtime/launcher.py``) -> NUMA pinning (logged) -> the health link (rank 0 listens,
 the others report) -> ``init_distributed`` -> the control plane -> rank 0 builds the
 ``LLMEngine`` around an ``SPMDRunner`` and runs ``rank0_main``; every other rank builds
-its ``ModelRunner`` and runs ``worker/worker_loop.py``. ``--multithread`` runs the same
-with ranks as threads of this process (``InProcessGroup``, thread-local groups).
+its ``ModelRunner`` and runs ``worker/worker_loop.py``.
 
 Faults (docs/distributed.md): ``JobSupervisor`` turns any failure into the end of the
 whole job: rank 0 marks its engine failed (``/health`` 503), waits ``grace_s`` so load
@@ -32,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cvllm.config import ConfigError
 from cvllm.core.step_input import MessageKind
-from cvllm.engine.launcher import LocalRanks, abort_job
+from cvllm.runtime.launcher import LocalRanks, abort_job
 from cvllm.worker.worker_loop import FaultInjector
 
 logger = logging.getLogger("cvllm.spmd")
@@ -221,34 +223,6 @@ class Rank0:
             self.control.broadcast(MessageKind.SHUTDOWN, 0)
 
 
-def run_job(par: ParallelOptions, engine_options: Dict[str, Any],
-            rank0_main: Callable[[Rank0], None]) -> None:
-    """Run this process's part of the job (see the module docstring). Returns on rank 0
-    after its main returned and the other ranks were shut down; on other ranks it
-    returns after SHUTDOWN. Failures end the job (``JobSupervisor``)."""
-    from cvllm.distributed.launch_env import detect_launch_env
-    from cvllm.logger import init_logging
-
-    if par.bind:
-        os.environ["CVLLM_BIND_ADDR"] = par.bind
-    env = detect_launch_env(device_ids=par.device_ids, num_nodes=par.num_nodes,
-                            node_rank=par.node_rank, master_addr=par.master_addr,
-                            master_port=par.master_port, multithread=par.multithread)
-    init_logging(env.rank, par.log_file, par.log_level)
-    if env.mode == "single":
-        rank0_main(Rank0(None, engine_options))
-        return
-    logger.info("rank %d of %d (%s, local rank %d of %d, node %d of %d)", env.rank,
-                env.world_size, env.mode, env.local_rank, env.local_world_size,
-                env.node_rank, env.num_nodes)
-    if env.mode == "multithread":
-        from cvllm.engine.spmd_threads import run_threads
-
-        run_threads(env, par, engine_options, rank0_main)
-        return
-    _run_process_rank(env, par, engine_options, rank0_main)
-
-
 def rank_device(env, par: ParallelOptions):
     from cvllm.distributed.launch_env import local_device_id
     from cvllm.engine.builder import pick_device
@@ -260,7 +234,7 @@ def _is_spawner(env) -> bool:
     return env.mode in ("spawn", "ssh") and "CVLLM_RANK" not in os.environ
 
 
-def _run_process_rank(env, par: ParallelOptions, engine_options: Dict[str, Any],
+def run_process_rank(env, par: ParallelOptions, engine_options: Dict[str, Any],
                       rank0_main: Callable[[Rank0], None]) -> None:
     from cvllm.engine.builder import build_engine_config
 

@@ -1,6 +1,6 @@
 """Processes of the job on this node: the ranks cvllm spawns itself, and ending the job.
 
-Used by ``engine/spmd.py`` on the process that starts a node's ranks: rank 0 under spawn
+Used by ``runtime/spmd.py`` on the process that starts a node's ranks: rank 0 under spawn
 (``cvllm serve --d 0,1,2,3``) and node-local rank 0 of every node under the SSH launch
 (``--num-nodes``). ``LocalRanks`` owns the child processes (``sys.executable -m cvllm``
 with the parent's argv and the ``CVLLM_*`` variables of ``launch_env.child_environ``):

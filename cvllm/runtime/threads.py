@@ -1,7 +1,7 @@
 """``--multithread``: every rank is a thread of this one process (candle-vllm's debugging
 mode; no sockets, no torch.distributed).
 
-Called by ``engine/spmd.run_job`` on the main thread. The main thread is rank 0: it joins
+Called by ``runtime/job.run_job`` on the main thread. The main thread is rank 0: it joins
 the process-wide TP group (``parallel_state`` without ``thread_local``, so the engine
 thread that runs its forwards sees the same group); ranks 1..N-1 are threads with
 thread-local groups, all views of one ``InProcessGroup``, and receive rank 0's steps on
@@ -17,7 +17,7 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, List
 
-from cvllm.engine.spmd import (
+from cvllm.runtime.spmd import (
     JobSupervisor, ParallelOptions, Rank0, rank_device, run_rank0, thread_env,
 )
 
