@@ -21,11 +21,12 @@ from typing import Any
 
 from aiohttp import web
 
-from cvllm.server import handlers, protocol
+from cvllm.server import handlers
 from cvllm.server.context import CONTEXT_KEY, ServerContext, ServerSettings
 from cvllm.server.edge import EdgeSite, edge_middleware, handler_args
 from cvllm.server.metrics import CONTENT_TYPE, render_metrics
 from cvllm.server.middleware import auth_middleware, error_middleware, json_dumps
+from cvllm.server.models import model_card, model_list
 
 __all__ = ["ServerSettings", "build_app", "start_server", "run_server", "serve_forever"]
 
@@ -51,12 +52,12 @@ _STARTED = int(time.time())
 
 
 def _card(ctx: ServerContext) -> dict:
-    return protocol.model_card(ctx.model_name, ctx.engine.max_model_len, _STARTED)
+    return model_card(ctx.model_name, ctx.engine.max_model_len, _STARTED)
 
 
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT_KEY]
-    return web.json_response(protocol.model_list([_card(ctx)]), dumps=json_dumps)
+    return web.json_response(model_list([_card(ctx)]), dumps=json_dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from cvllm.server.protocol import ApiError
+from cvllm.server.errors import ApiError
 
 
 @dataclass

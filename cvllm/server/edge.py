@@ -37,7 +37,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from cvllm.server.context import ServerSettings
 from cvllm.server.middleware import Handler, error_response
-from cvllm.server.protocol import ApiError, error_body
+from cvllm.server.errors import ApiError, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 
 from cvllm.outputs import RequestOutput, TokenLogprob
 from cvllm.sampling_params import SamplingParams
-from cvllm.server.protocol import ApiError, ChoiceResult
+from cvllm.server.errors import ApiError
+from cvllm.server.responses import ChoiceResult
 
 logger = logging.getLogger(__name__)
 

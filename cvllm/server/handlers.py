@@ -1,8 +1,9 @@
 """The generation routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Run per HTTP request on rank 0's event loop. Each handler parses the body (``protocol``),
-tokenizes through the engine, resolves sampling params (``params``), fans out n engine
-requests (``generation``) and answers either one JSON body or an SSE stream (``sse``).
+Run per HTTP request on rank 0's event loop. Each handler parses the body
+(``request_body``, then ``chat`` or ``completions``), tokenizes through the engine,
+resolves sampling params (``params``), fans out n engine requests (``generation``) and
+answers either one JSON body or an SSE stream (``sse``).
 The ``GenerationGroup`` is closed in a ``finally``, so a client that disconnects or an
 error aborts whatever is still running in the engine. A vanished client is noticed by
 ``cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was given
@@ -19,12 +20,15 @@ from typing import AsyncIterator, List, Union
 
 from aiohttp import web
 
-from cvllm.server import protocol
+from cvllm.server.chat import ChatShapes, parse_chat_request
+from cvllm.server.completions import CompletionShapes, parse_completion_request
 from cvllm.server.context import CONTEXT_KEY, ServerContext
+from cvllm.server.errors import ApiError, error_body
 from cvllm.server.generation import ChoiceState, GenerationGroup
 from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
-from cvllm.server.protocol import ApiError, ChatShapes, CompletionShapes
+from cvllm.server.request_body import parse_json_body
+from cvllm.server.responses import cached_prompt_tokens
 from cvllm.server.sse import SSEStream
 
 logger = logging.getLogger(__name__)
@@ -34,12 +38,12 @@ Shapes = Union[ChatShapes, CompletionShapes]
 
 async def _read_body(request: web.Request) -> dict:
     # request.read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
-    return protocol.parse_json_body(await request.read())
+    return parse_json_body(await request.read())
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT_KEY]
-    req = protocol.parse_chat_request(await _read_body(request))
+    req = parse_chat_request(await _read_body(request))
     ctx.check_model(req.model)
     ctx.check_ready()
     try:
@@ -57,7 +61,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT_KEY]
-    req = protocol.parse_completion_request(await _read_body(request))
+    req = parse_completion_request(await _read_body(request))
     ctx.check_model(req.model)
     ctx.check_ready()
     if isinstance(req.prompt, str):
@@ -157,7 +161,7 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
                 await sse.send(shapes.stream_finish(state.index, "abort"))
         if shapes.include_usage:
             used = sum(s.num_output_tokens for s in states)
-            cached = protocol.cached_prompt_tokens([s.num_cached_tokens for s in states])
+            cached = cached_prompt_tokens([s.num_cached_tokens for s in states])
             await sse.send(shapes.usage_chunk(prompt_tokens, used, cached))
         await sse.done()
     except ConnectionResetError:
@@ -172,10 +176,10 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
 async def _stream_error(sse: SSEStream, request_id: str, exc: Exception) -> None:
     """Headers are gone already, so an error mid-stream travels as an event."""
     if isinstance(exc, ValueError):
-        body = protocol.error_body(str(exc), param=getattr(exc, "param", None))
+        body = error_body(str(exc), param=getattr(exc, "param", None))
     else:
         logger.exception("error while streaming %s", request_id)
-        body = protocol.error_body("Internal server error; see the server log.", "server_error")
+        body = error_body("Internal server error; see the server log.", "server_error")
     try:
         await sse.send(body)
         await sse.done()

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from cvllm.server.protocol import ApiError, error_body
+from cvllm.server.errors import ApiError, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
 from cvllm.sampling_params import SamplingParams, SamplingParamsError
-from cvllm.server.protocol import ApiError, context_length_error
+from cvllm.server.errors import ApiError, context_length_error
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Decided per request by the server, never taken from the server-wide defaults.

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from cvllm.server import ServerSettings, build_app, start_server
-from cvllm.server.protocol import ApiError, parse_json_body
+from cvllm.server.errors import ApiError
+from cvllm.server.request_body import parse_json_body
 
 from .test_routes import GOOD_CHAT, assert_error
 

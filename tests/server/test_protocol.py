@@ -3,14 +3,17 @@
 import pytest
 
 from cvllm.outputs import TokenLogprob
-from cvllm.server import protocol
+from cvllm.server.chat import ChatShapes, parse_chat_request
+from cvllm.server.completions import CompletionShapes, parse_completion_request
+from cvllm.server.errors import ApiError
 from cvllm.server.params import fan_out, resolve_sampling_params
-from cvllm.server.protocol import ApiError, ChoiceResult
+from cvllm.server.request_body import parse_json_body
+from cvllm.server.responses import ChoiceResult
 
 
 def chat(**kw):
     body = {"messages": [{"role": "user", "content": "hi"}], **kw}
-    return protocol.parse_chat_request(body)
+    return parse_chat_request(body)
 
 
 def error_of(fn, *args) -> ApiError:
@@ -21,7 +24,7 @@ def error_of(fn, *args) -> ApiError:
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b'"x"', b'{"a": NaN}', b"\xff\xfe{"])
 def test_parse_json_body_rejects(raw):
-    err = error_of(protocol.parse_json_body, raw)
+    err = error_of(parse_json_body, raw)
     assert err.status == 400 and err.type == "invalid_request_error"
 
 
@@ -48,7 +51,7 @@ def test_parse_json_body_rejects(raw):
      "stream_options.include_usage"),
 ])
 def test_chat_bad_fields_name_param(body, param):
-    err = error_of(protocol.parse_chat_request, body)
+    err = error_of(parse_chat_request, body)
     assert (err.status, err.param) == (400, param)
 
 
@@ -66,7 +69,7 @@ def test_chat_parses_everything():
 
 
 def test_chat_content_parts_and_nulls():
-    req = protocol.parse_chat_request({"messages": [
+    req = parse_chat_request({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"},
                                        {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "tool_calls": []},
@@ -78,7 +81,7 @@ def test_chat_content_parts_and_nulls():
 @pytest.mark.parametrize("prompt,expected", [("hi", "hi"), (["hi"], "hi"), ([1, 2], [1, 2]),
                                              ([[3, 4]], [3, 4])])
 def test_completion_prompt_forms(prompt, expected):
-    assert protocol.parse_completion_request({"prompt": prompt}).prompt == expected
+    assert parse_completion_request({"prompt": prompt}).prompt == expected
 
 
 @pytest.mark.parametrize("body,param", [
@@ -87,7 +90,7 @@ def test_completion_prompt_forms(prompt, expected):
     ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "logprobs": -1}, "logprobs"),
 ])
 def test_completion_bad_fields(body, param):
-    err = error_of(protocol.parse_completion_request, body)
+    err = error_of(parse_completion_request, body)
     assert (err.status, err.param) == (400, param)
 
 
@@ -121,13 +124,13 @@ def test_fan_out_offsets_seeds():
 
 def test_response_shapes():
     lp = [TokenLogprob(104, "h", float("-inf"), {"h": -0.1})]
-    shapes = protocol.ChatShapes("chatcmpl-1", "m", num_logprobs=1)
+    shapes = ChatShapes("chatcmpl-1", "m", num_logprobs=1)
     body = shapes.response([ChoiceResult(0, "h", "stop", 1, lp)], 4)
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     entry = body["choices"][0]["logprobs"]["content"][0]
     assert entry["logprob"] == -9999.0 and entry["top_logprobs"][0]["token"] == "h"
-    cshapes = protocol.CompletionShapes("cmpl-1", "m", include_usage=True, num_logprobs=1)
+    cshapes = CompletionShapes("cmpl-1", "m", include_usage=True, num_logprobs=1)
     chunk = cshapes.stream_delta(0, "h", lp, text_offset=3)
     assert chunk["usage"] is None and chunk["choices"][0]["logprobs"]["text_offset"] == [3]
     assert cshapes.usage_chunk(2, 3)["choices"] == []

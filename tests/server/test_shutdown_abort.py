@@ -12,7 +12,7 @@ from cvllm.engine.async_engine import _WARMUP_ID, AsyncEngine
 from cvllm.outputs import RequestOutput
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.generation import ChoiceState
-from cvllm.server.protocol import ApiError
+from cvllm.server.errors import ApiError
 
 
 class _StubEngine:

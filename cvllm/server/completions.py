@@ -1,0 +1,90 @@
+"""``POST /v1/completions``: the request's parsing and the response's shapes.
+
+Called per HTTP request by the handlers (rank 0, event-loop thread); knows nothing of
+aiohttp or the engine, so it is tested with plain dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Union
+
+from cvllm.outputs import TokenLogprob
+from cvllm.server.request_fields import (SamplingFields, bad_param, int_field, is_token_id,
+                                         parse_common)
+from cvllm.server.responses import ChoiceResult, ResponseShapes, clamp_logprob
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` body."""
+
+    prompt: Union[str, List[int]]
+    """Text to tokenize, or token ids used as they are."""
+    model: Optional[str] = None
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: Optional[int] = None
+    n: int = 1
+    logprobs: Optional[int] = None
+    sampling: SamplingFields = field(default_factory=SamplingFields)
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+
+def parse_completion_request(body: dict) -> CompletionRequest:
+    common = parse_common(body)
+    if body.get("echo"):
+        raise bad_param("echo", "'echo' is not supported")
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")),
+                             max_tokens=int_field(body, "max_tokens", minimum=1),
+                             logprobs=int_field(body, "logprobs", minimum=0), **common)
+
+
+def _parse_prompt(value: Any) -> Union[str, List[int]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return _parse_prompt(value[0])
+    if isinstance(value, list) and value and all(is_token_id(t) for t in value):
+        return list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise bad_param("prompt", "Batched prompts are not supported; send one prompt per request")
+    raise bad_param("prompt", "'prompt' must be a string, a list of one string, or a non-empty "
+                         "list of token ids")
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict:
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [clamp_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{t: clamp_logprob(v) for t, v in e.top.items()} for e in entries],
+            "text_offset": offsets}
+
+
+class CompletionShapes(ResponseShapes):
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def stream_start(self, index: int) -> Optional[dict]:
+        return None  # completions have no role chunk
+
+    def stream_delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob],
+                     text_offset: int = 0) -> dict:
+        lp = completion_logprobs(logprobs, text_offset) if self.want_logprobs else None
+        return self._chunk({"index": index, "text": text, "logprobs": lp,
+                            "finish_reason": None})
+
+    def stream_finish(self, index: int, finish_reason: str) -> dict:
+        return self._chunk({"index": index, "text": "", "logprobs": None,
+                            "finish_reason": finish_reason})
+
+    def _choice(self, c: ChoiceResult) -> dict:
+        lp = completion_logprobs(c.logprobs, 0) if self.want_logprobs else None
+        return {"index": c.index, "text": c.text, "logprobs": lp,
+                "finish_reason": c.finish_reason}
