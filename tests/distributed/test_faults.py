@@ -6,7 +6,6 @@ exits 0."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -17,7 +16,7 @@ import requests
 
 from tests.distributed.tp_helpers import (
     CVLLM, COMMON, Server, generate_args, mpi_env, mpirun_cmd, run_generate, save_tiny_llama,
-    wait_gone, TINY_PROMPTS,
+    stream_completion, wait_gone, TINY_PROMPTS,
 )
 
 pytestmark = pytest.mark.mpi
@@ -36,23 +35,7 @@ def _stream(base: str, max_tokens: int, out: dict) -> None:
     """One streaming completion; records the chunks' finish reason and any error."""
     body = {"prompt": TINY_PROMPTS[0], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
-    try:
-        with requests.post(base + "/v1/completions", json=body, stream=True, timeout=60) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        out["error"] = chunk["error"]
-                        continue
-                    out["chunks"] = out.get("chunks", 0) + 1
-                    choice = chunk["choices"]
-                    if choice and choice[0].get("finish_reason"):
-                        out["finish_reason"] = choice[0]["finish_reason"]
-                    if chunk.get("usage"):
-                        out["completion_tokens"] = chunk["usage"]["completion_tokens"]
-    except requests.RequestException as e:
-        out["error"] = repr(e)
+    stream_completion(base, body, out)
 
 
 def _wait_chunks(out: dict, n: int, timeout: float = 30) -> None:

@@ -168,6 +168,33 @@ class Server:
         self._f.close()
 
 
+def stream_completion(base: str, body: dict, out: dict) -> None:
+    """POST a streaming ``/v1/completions`` ``body`` and record into ``out``: ``status``,
+    ``chunks`` (data chunks), ``finish_reason``, ``completion_tokens`` (from a usage chunk),
+    ``done`` (``[DONE]`` came) and ``error`` (an error chunk, or the client's exception)."""
+    import requests
+
+    try:
+        with requests.post(base + "/v1/completions", json=body, stream=True, timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == b"data: [DONE]":
+                    out["done"] = True
+                elif line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]
+                        continue
+                    out["chunks"] = out.get("chunks", 0) + 1
+                    choice = chunk["choices"]
+                    if choice and choice[0].get("finish_reason"):
+                        out["finish_reason"] = choice[0]["finish_reason"]
+                    if chunk.get("usage"):
+                        out["completion_tokens"] = chunk["usage"]["completion_tokens"]
+    except requests.RequestException as e:
+        out["error"] = repr(e)
+
+
 def wait_gone(pids: Sequence[int], timeout: float) -> List[int]:
     """Wait until none of ``pids`` runs (zombies count as gone); returns those left."""
     import psutil

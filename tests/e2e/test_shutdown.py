@@ -9,7 +9,6 @@ second SIGTERM exits within 5 s.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -20,7 +19,9 @@ from typing import Dict, List
 import pytest
 import requests
 
-from tests.distributed.tp_helpers import CVLLM, COMMON, Server, mpirun_cmd, wait_gone
+from tests.distributed.tp_helpers import (
+    CVLLM, COMMON, Server, mpirun_cmd, stream_completion, wait_gone,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,23 +82,7 @@ def _stream(base: str, out: dict) -> None:
     """One long streaming completion: its finish reason, whether [DONE] came, errors."""
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
             "temperature": 0}
-    try:
-        with requests.post(base + "/v1/completions", json=body, stream=True, timeout=60) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line == b"data: [DONE]":
-                    out["done"] = True
-                elif line.startswith(b"data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        out["error"] = chunk["error"]
-                        continue
-                    out["chunks"] = out.get("chunks", 0) + 1
-                    choice = chunk["choices"]
-                    if choice and choice[0].get("finish_reason"):
-                        out["finish_reason"] = choice[0]["finish_reason"]
-    except requests.RequestException as e:
-        out["error"] = repr(e)
+    stream_completion(base, body, out)
     out["ended"] = time.monotonic()
 
 
