@@ -196,11 +196,7 @@ class _Prepared:
             self.groups.append((backend, weight, len(ids)))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if x.dim() == 2 and len(self.groups) == 1:  # the usual call: no reshapes
-            backend, w, _ = self.groups[0]
-            return backend.linear(x, w, bias)  # [M, N]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]: no op when 2-D
         if len(self.groups) == 1:
             backend, w, _ = self.groups[0]
             y = backend.linear(x2, w, bias)  # [M, N]
@@ -208,7 +204,7 @@ class _Prepared:
             y = torch.cat([b.linear(x2, w) for b, w, _ in self.groups], dim=-1)  # [M, N]
             if bias is not None:
                 y = y + bias
-        return y.reshape(*lead, self.rows)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.rows)
 
     def breakdown(self) -> List[Tuple[str, int, int]]:
         return [(w.ggml_type.name, n, w.nbytes()) for _, w, n in self.groups]
