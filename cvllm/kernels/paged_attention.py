@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
+from cvllm.kernels.jit import jit_per_step
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -233,7 +234,8 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, b, h0, num_heads_here, num
                  res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+@jit_per_step(ints=("split_len", "num_splits", "stride_bt"),
+              pointers=("block_tables_ptr", "seq_lens_ptr", "ticket_ptr"))
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, ticket_ptr, k_scale_ptr, v_scale_ptr,
@@ -304,7 +306,7 @@ def _decode_kernel(
                          BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
 
 
-@triton.jit
+@jit_per_step(ints=("num_splits",))
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, head_dim, stride_ob, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
@@ -328,6 +330,13 @@ def _merge_kernel(
              mask=dmask)
 
 
+def merge_block_s(num_splits: int) -> int:
+    """The merge kernel's split tile: 16, or ``_MAX_SPLITS`` rounded up to a power of two
+    for more splits. Two variants only (a power of two per split count compiled a new
+    kernel each time an eager decode's context crossed one)."""
+    return 16 if num_splits <= 16 else triton.next_power_of_2(max(num_splits, _MAX_SPLITS))
+
+
 def merge_attention_partials(
     part_out: torch.Tensor,  # [B, H, S, D] float32, contiguous
     part_lse: torch.Tensor,  # [B, H, S] float32, contiguous
@@ -347,7 +356,7 @@ def merge_attention_partials(
     if B:
         _merge_kernel[(B, H)](
             part_out, part_lse, out, S, H, D, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_S=merge_block_s(S), BLOCK_D=triton.next_power_of_2(D),
             PDL=pdl.enabled(out), **pdl.launch_args(out),
         )
     return out
@@ -479,7 +488,8 @@ def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
 # ----- prefill ------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit_per_step(ints=("stride_bt",),
+              pointers=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"))
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, k_scale_ptr, v_scale_ptr, scale, softcap, window, block_size, head_dim,

@@ -293,3 +293,27 @@ def test_write_kv_cuda(dtype, T, hkv, d):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_merge_cuda():
     check_merge("cuda", B=33, H=32, S=64, D=128)
+
+
+def test_per_step_arguments_pick_no_new_kernel_variant():
+    """What follows the batch (a block table's width, split counts, metadata sliced past
+    the decodes) is not specialized on, and the merge kernel has two split tiles: a mixed
+    step never waits for a compile (tests/engine/test_warm_up_gpu.py on the GPU)."""
+    from cvllm.kernels import paged_attention as pa
+
+    wanted = {
+        pa._prefill_kernel: ("stride_bt", "block_tables_ptr", "query_start_loc_ptr",
+                             "seq_lens_ptr"),
+        pa._decode_kernel: ("split_len", "num_splits", "stride_bt", "block_tables_ptr",
+                            "seq_lens_ptr", "ticket_ptr"),
+        pa._merge_kernel: ("num_splits",),
+    }
+    for kernel, names in wanted.items():
+        params = {p.name: p for p in getattr(kernel, "params", [])}
+        if not params:
+            pytest.skip("this Triton's kernels do not expose their parameters")
+        for name in names:
+            p = params[name]
+            assert p.do_not_specialize or getattr(p, "do_not_specialize_on_alignment", False), \
+                (kernel.fn.__name__, name)
+    assert {pa.merge_block_s(s) for s in range(1, pa._MAX_SPLITS + 1)} == {16, 64}
