@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -76,34 +76,39 @@ def dummy_seq_lens(num_tokens: int, max_seqs: int, max_len: int) -> List[int]:
     return [max_len] * full + ([rest] if rest else [])
 
 
-def dummy_step(lens: Sequence[int], block_size: int, num_groups: int
+def dummy_step(lens: Sequence[int], block_size: int, num_groups: int,
+               contexts: Optional[Sequence[int]] = None
                ) -> Tuple[np.ndarray, np.ndarray, dict, int]:
-    """Host arrays of a step of fresh sequences with lengths ``lens``, laid out in blocks
-    0.. of every group: ``(input_ids [T], positions [T], AttentionMetadata.build keyword
-    arguments without device, blocks per group)``."""
+    """Host arrays of a step of sequences with ``lens`` new tokens each (after
+    ``contexts`` tokens already in the cache: none by default, fresh sequences), laid out
+    in blocks 0.. of every group: ``(input_ids [T], positions [T], AttentionMetadata.build
+    keyword arguments without device, blocks per group)``."""
     B = len(lens)
-    per_seq = [cdiv(n, block_size) for n in lens]
+    ctx = list(contexts) if contexts is not None else [0] * B
+    per_seq = [cdiv(c + n, block_size) for c, n in zip(ctx, lens)]
     tables = np.zeros((B, max(per_seq)), dtype=np.int64)  # [B, M]
     slots, start = [], 0
     for b, (n, nb) in enumerate(zip(lens, per_seq)):
         tables[b, :nb] = np.arange(start, start + nb)
-        slots.append(start * block_size + np.arange(n))
+        slots.append(start * block_size + ctx[b] + np.arange(n))
         start += nb
     slot_mapping = np.concatenate(slots)  # [T]: consecutive within each sequence
-    positions = np.concatenate([np.arange(n) for n in lens])  # [T]
+    positions = np.concatenate([c + np.arange(n) for c, n in zip(ctx, lens)])  # [T]
     kwargs = dict(
         slot_mapping=slot_mapping, query_start_loc=np.concatenate([[0], np.cumsum(lens)]),
-        seq_lens=np.asarray(lens), block_tables=tables, state_slots=np.arange(B),
+        seq_lens=np.asarray(ctx) + np.asarray(lens), block_tables=tables,
+        state_slots=np.arange(B),
     )
     return np.zeros_like(positions), positions, kwargs, start
 
 
 def _dummy_forward(model: torch.nn.Module, specs: Sequence[LayerCacheSpec], lens: Sequence[int],
-                   block_size: int, device: torch.device) -> Tuple[torch.Tensor, list]:
-    """A forward over fresh sequences ``lens`` in a throw-away cache of just their blocks:
-    ``(hidden [T, hidden], caches)``."""
+                   block_size: int, device: torch.device,
+                   contexts: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, list]:
+    """A forward over sequences ``lens`` (after ``contexts``, default none) in a throw-away
+    cache of just their blocks: ``(hidden [T, hidden], caches)``."""
     groups = group_layers(specs)
-    ids, pos, kwargs, num_blocks = dummy_step(lens, block_size, len(groups))
+    ids, pos, kwargs, num_blocks = dummy_step(lens, block_size, len(groups), contexts)
     has_state = any(isinstance(s, StateSpec) for s in specs)
     layout = KVCacheLayout(block_size, tuple(KVCacheGroupConfig(w, num_blocks, tuple(layer_ids))
                                              for w, layer_ids in groups),
@@ -148,16 +153,31 @@ ways Triton specializes an integer argument (a multiple of 16 or not). A serving
 meets them all soon (a short prompt, a prefix-cache hit's short suffix), and each first
 meeting compiled a kernel in the middle of serving: on an H100, steps stalled up to
 1.2 s and first tokens waited 1.9 s in tools/bench_serving.py's multi-turn workload."""
+WARM_UP_MIXED = (((1,), (0,)), ((1,), (200,)), ((1, 9), (200, 100)))
+"""Eager steps whose first sequences decode (``(new tokens, context)`` per sequence): the
+decode kernel with one split (a short context) and with several (64 keys or more), and
+a decode beside a prefix-cache hit. The decode CUDA graphs compile the variants their
+batch sizes meet, which with few KV heads and a small ``--max-num-seqs`` left out the
+one-split kernel: the first mixed step with short decodes compiled it mid-serving.
+Contexts are cut to ``max_model_len``."""
 
 
 @torch.inference_mode()
 def warm_up_prefill(model: torch.nn.Module, specs: Sequence[LayerCacheSpec], block_size: int,
-                    device: torch.device, steps: Sequence[Sequence[int]] = WARM_UP_PREFILLS) -> float:
-    """Run ``steps`` (lengths of fresh sequences) through the model and the LM head; every
-    rank does (collectives in lockstep). Returns the seconds it took."""
+                    device: torch.device, steps: Sequence[Sequence[int]] = WARM_UP_PREFILLS,
+                    max_model_len: Optional[int] = None,
+                    mixed: Sequence[Tuple[Sequence[int], Sequence[int]]] = WARM_UP_MIXED
+                    ) -> float:
+    """Run ``steps`` (lengths of fresh sequences) and ``mixed`` (lengths after contexts,
+    when ``max_model_len`` is given) through the model and the LM head; every rank does
+    (collectives in lockstep). Returns the seconds it took."""
     start = time.perf_counter()
-    for lens in steps:
-        hidden, caches = _dummy_forward(model, specs, lens, block_size, device)
+    runs = [(lens, None) for lens in steps]
+    if max_model_len:
+        runs += [(lens, [max(0, min(c, max_model_len - n)) for c, n in zip(ctx, lens)])
+                 for lens, ctx in mixed]
+    for lens, contexts in runs:
+        hidden, caches = _dummy_forward(model, specs, lens, block_size, device, contexts)
         model.compute_logits(hidden[-1:])
         del hidden, caches
     torch.cuda.synchronize(device)

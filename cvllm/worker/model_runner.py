@@ -98,7 +98,8 @@ class ModelRunner:
         """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
         if self.device.type == "cuda":
             secs = memory.warm_up_prefill(self.model, self.cache_specs,
-                                          config.cache.block_size, self.device)
+                                          config.cache.block_size, self.device,
+                                          max_model_len=config.model.max_model_len)
             logger.info("prefill kernels warmed up in %.1f s", secs)
         reset_kv_scales(self.kv_caches)  # FP8: the first real prefill calibrates, not warm-up
         self.sampler = Sampler()

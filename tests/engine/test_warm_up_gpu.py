@@ -28,6 +28,8 @@ def _compiled_kernels():
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
         names.append(getattr(fn, "name", None) or getattr(getattr(fn, "fn", None), "__name__", "?"))
+        # the specialization (which arguments were classed aligned / divisible by 16)
+        _compiled_kernels.last_configs = (kwargs.get("compile") or {}).get("configs")
         return False
 
     runtime.jit_post_compile_hook = hook
@@ -64,6 +66,54 @@ def test_short_prompts_and_prefix_hits_compile_no_prefill_kernel(tmp_path):
         llm.generate(prompts, greedy)  # fresh prompts, then hits with short suffixes
         llm.generate([base + [7] * 20, base + [8]], greedy)
         assert not [n for n in names if "prefill" in n], names
+    finally:
+        import triton
+
+        triton.knobs.runtime.jit_post_compile_hook = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _step_until_decoding(engine, request_ids) -> None:
+    """Step until every request named has its prompt computed (it decodes from then on)."""
+    for _ in range(64):
+        seqs = [s for s in engine.scheduler.running if s.request_id in request_ids]
+        if len(seqs) == len(request_ids) and all(s.num_uncomputed_tokens <= 1 for s in seqs):
+            return
+        engine.step()
+
+
+def test_mixed_steps_with_long_contexts_compile_no_attention_kernel(tmp_path):
+    """Eager mixed steps: 1..6 sequences decoding beside prefix-cache hits on contexts whose
+    block tables are 16 and 40-odd blocks wide. The batch's make-up moves the metadata
+    slices' alignment, the table width and the split count from step to step; none may
+    pick a kernel variant start-up did not compile (``kernels/jit.py``)."""
+    from cvllm.engine.llm import LLM
+
+    names = _compiled_kernels()
+    try:
+        _hook_sees_compiles(names)
+        llm = LLM(weight_path=str(write_tiny_llama(tmp_path)), max_model_len=1024,
+                  max_num_seqs=16, kvcache_mem_mb=256)
+        engine = llm.engine
+        base = [10 + (i * 7) % 400 for i in range(700)]
+        llm.generate([base[:256], base], SamplingParams(temperature=0.0, max_tokens=1))
+        names.clear()
+        for k in range(1, 7):
+            decoding = [f"d{k}-{i}" for i in range(k)]
+            for i, rid in enumerate(decoding):
+                engine.add_request(rid, base[:60 + 97 * i] + [k, i], SamplingParams(
+                    temperature=0.0, max_tokens=24, ignore_eos=True))
+            _step_until_decoding(engine, set(decoding))
+            engine.add_request(f"hit{k}", base + [k] * (13 * k), SamplingParams(
+                temperature=0.0, max_tokens=3, ignore_eos=True))
+            engine.add_request(f"hit256-{k}", base[:256] + [k] * k, SamplingParams(
+                temperature=0.0, max_tokens=3, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+        torch.cuda.synchronize()
+        assert not [n for n in names if any(w in n for w in ("prefill", "decode", "merge"))], \
+            (names, getattr(_compiled_kernels, "last_configs", None))
     finally:
         import triton
 

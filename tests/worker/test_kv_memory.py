@@ -48,6 +48,14 @@ def test_profile_step_shape():
     assert len(set(kw["slot_mapping"].tolist())) == 39  # no slot written twice
     meta = AttentionMetadata.build(device="cpu", **kw)
     assert meta.num_tokens == 39 and meta.num_decodes == 0 and meta.max_seq_len == 20
+    # with contexts: one decode over 20 cached tokens, then a 3-token chunk after 5
+    ids, pos, kw, blocks = memory.dummy_step([1, 3], block_size=8, num_groups=1,
+                                             contexts=[20, 5])
+    assert blocks == 3 + 1 and pos.tolist() == [20, 5, 6, 7]
+    assert kw["slot_mapping"].tolist() == [20, 24 + 5, 24 + 6, 24 + 7]
+    meta = AttentionMetadata.build(device="cpu", **kw)
+    assert meta.num_decodes == 1 and meta.decode_max_seq_len == 21
+    assert meta.prefill_max_seq_len == 8 and meta.prefill_max_query_len == 3
 
 
 def _tiny_llama(max_model_len=128):
