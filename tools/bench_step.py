@@ -153,6 +153,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="ranks (run under torchrun)")
+    ap.add_argument("--isq", default=None, help="in-situ quantize the weights (q4k, q8_0, ...)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -163,7 +164,8 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     options = dict(weight_path=str(folder), load_format="dummy", cpu=not use_cuda,
                    dtype="bf16" if use_cuda else "f32", max_model_len=args.prompt_len + 2048,
-                   max_num_seqs=max(batches), **({} if use_cuda else {"kvcache_mem_mb": 256}))
+                   max_num_seqs=max(batches), **({} if use_cuda else {"kvcache_mem_mb": 256}),
+                   **({"isq": args.isq} if args.isq else {}))
     if args.tp == 1:
         from cvllm.engine.llm import LLM
 
