@@ -60,3 +60,20 @@ def test_bench_bitmask_runs_free_and_constrained(default_gguf, tmp_path):
           "--out", out])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["free_ms_per_step"] > 0 and row["constrained_ms_per_step"] > 0
+
+
+def test_bench_ttft_breaks_first_tokens_down(default_gguf, tmp_path):
+    out = tmp_path / "ttft.json"
+    _run([TOOLS / "bench_ttft.py", "--device-ms", "2", "--eager-ms", "3", "--out", out,
+          "--endpoint", "chat", "--workload", "multi-turn", "--conversations", "4", "--turns", "2",
+          "--system-tokens", "120", "--user-tokens", "8", "--output-len", "6",
+          "--concurrency", "2", "--warmup", "0"])
+    (rnd,) = json.loads(out.read_text())["rounds"]
+    assert rnd["client"]["completed"] == 8 and rnd["client"]["failed"] == 0
+    assert rnd["client"]["hit_rate"] > 0  # turn 2 resends turn 1 and the system prompt
+    for phase in ("submit_to_arrive", "arrive_to_scheduled", "scheduled_to_first_out",
+                  "first_out_to_yield"):
+        assert rnd[phase]["n"] == 8 and rnd[phase]["p50"] >= 0
+    whole = rnd["submit_to_first_yield"]
+    assert whole["n"] == 8 and whole["max"] <= rnd["client"]["ttft_ms"]["max"] + 1
+    assert rnd["step_interval_ms"]["with_prompt_tokens"]["n"] >= 1
