@@ -33,8 +33,10 @@ it has passed its own wait and pushed all its values, not that its grid has exit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -66,15 +68,35 @@ def enabled(x: torch.Tensor) -> bool:
                       else torch.cuda.current_device())
 
 
+_GRAPH_LAUNCHES = threading.local()
+
+
+@contextlib.contextmanager
+def graph_launches():
+    """Within: launches take ``launch_pdl`` as during a CUDA-graph capture. The decode
+    graphs' pre-capture warm-up forward runs inside it: ``launch_pdl`` is one of Triton's
+    compile options, so a warm-up launched without it would compile the other variant and
+    leave every PDL kernel to compile inside the capture."""
+    before = getattr(_GRAPH_LAUNCHES, "on", False)
+    _GRAPH_LAUNCHES.on = True
+    try:
+        yield
+    finally:
+        _GRAPH_LAUNCHES.on = before
+
+
 def launch_args(x: torch.Tensor) -> dict:
     """Launch options of a kernel on ``x``'s device that waits (``gdc_wait``) before it
     reads anything an earlier kernel wrote: ``launch_pdl`` where PDL is ``enabled`` and a
-    CUDA graph is being captured (every decode step). Launched eagerly (prefill and mixed
-    steps), a PDL kernel held the host until the GPU had caught up, so the host's
-    launches and the GPU's kernels ran one after the other instead of side by side: on an
-    H100, an eager 8B step of a 3-token prefill took 33-45 ms with PDL launches and
-    18-21 ms without. The kernels keep their ``PDL`` variant either way (one compile);
-    launched without the attribute, ``gdc_wait`` and ``gdc_launch_dependents`` do nothing."""
-    if enabled(x) and torch.cuda.is_current_stream_capturing():
+    CUDA graph is being captured (every decode step; ``graph_launches``). Launched eagerly
+    (prefill and mixed steps), a PDL kernel held the host until the GPU had caught up, so
+    the host's launches and the GPU's kernels ran one after the other instead of side by
+    side: on an H100, an eager 8B step of a 3-token prefill took 33-45 ms with PDL
+    launches and 18-21 ms without. ``launch_pdl`` is a Triton compile option: a kernel
+    has one compiled variant for the graphs and one for eager steps (the start-up warm-up
+    compiles the eager ones); launched without it, ``gdc_wait`` and
+    ``gdc_launch_dependents`` do nothing."""
+    if enabled(x) and (getattr(_GRAPH_LAUNCHES, "on", False)
+                       or torch.cuda.is_current_stream_capturing()):
         return {"launch_pdl": True}
     return {}

@@ -42,6 +42,7 @@ from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWind
 from cvllm.core.block_manager import cdiv
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.distributed import custom_allreduce
+from cvllm.kernels import pdl
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -261,7 +262,8 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         try:
             for bs in reversed(self.sizes):
-                self._forward(bs)  # warm-up: compiles kernels, moves lazy buffers
+                with pdl.graph_launches():  # the launch options the capture will use
+                    self._forward(bs)  # warm-up: compiles kernels, moves lazy buffers
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -153,13 +153,14 @@ ways Triton specializes an integer argument (a multiple of 16 or not). A serving
 meets them all soon (a short prompt, a prefix-cache hit's short suffix), and each first
 meeting compiled a kernel in the middle of serving: on an H100, steps stalled up to
 1.2 s and first tokens waited 1.9 s in tools/bench_serving.py's multi-turn workload."""
-WARM_UP_MIXED = (((1,), (0,)), ((1,), (200,)), ((1, 9), (200, 100)))
+WARM_UP_MIXED = (((1,), (0,)), ((1,), (200,)), ((1, 9), (200, 100)), ((1,), (1100,)))
 """Eager steps whose first sequences decode (``(new tokens, context)`` per sequence): the
-decode kernel with one split (a short context) and with several (64 keys or more), and
-a decode beside a prefix-cache hit. The decode CUDA graphs compile the variants their
-batch sizes meet, which with few KV heads and a small ``--max-num-seqs`` left out the
-one-split kernel: the first mixed step with short decodes compiled it mid-serving.
-Contexts are cut to ``max_model_len``."""
+decode kernel with one split (a short context) and with several (64 keys or more), a
+decode beside a prefix-cache hit, and a lone decode over more than 1,024 keys (more than
+16 splits: the merge kernel's wide tile). Eager steps launch without PDL, so their
+kernels are other compiled variants than the decode graphs' (``kernels/pdl.py``), and
+the first mixed step to meet one compiled it mid-serving. Contexts are cut to
+``max_model_len``."""
 
 
 @torch.inference_mode()
