@@ -114,17 +114,25 @@ def build_engine(args, tok: Tokenizer, words: np.ndarray) -> LLMEngine:
                                      max_num_seqs=args.concurrency,
                                      max_num_batched_tokens=args.max_num_batched_tokens)
         return engine
+    per_seq = -(-(args.input_len + args.output_len + 16) // 16)
+    runner = SimulatedRunner(per_seq * args.concurrency + 64, args.device_ms / 1e3, words)
+    return simulated_engine(tok, runner, args.concurrency, args.max_model_len,
+                            args.max_num_batched_tokens)
+
+
+def simulated_engine(tok: Tokenizer, runner, max_num_seqs: int, max_model_len: int,
+                     max_num_batched_tokens: int, prefix_cache: bool = True) -> LLMEngine:
+    """The real overlapped ``LLMEngine`` over a simulated ``runner`` (a one-layer stand-in
+    config: only the tokenizer's vocabulary matters)."""
     hf = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-              vocab_size=len(tok.hf), max_position_embeddings=args.max_model_len)
+              vocab_size=len(tok.hf), max_position_embeddings=max_model_len)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     config = EngineConfig(
         model=ModelConfig("LlamaForCausalLM", hf, eos_token_ids=[eos], bos_token_id=tok.bos_token_id),
-        cache=CacheConfig(block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        cache=CacheConfig(block_size=16, enable_prefix_caching=prefix_cache),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  max_num_batched_tokens=max_num_batched_tokens),
         device=DeviceConfig())
-    per_seq = -(-(args.input_len + args.output_len + 16) // 16)
-    runner = SimulatedRunner(per_seq * args.concurrency + 64, args.device_ms / 1e3, words)
     return LLMEngine(config, tok, runner, overlap=True)
 
 

@@ -68,9 +68,6 @@ class PrefillCostRunner(bh.SimulatedRunner):
 def build_engine(args):
     """``(LLMEngine, simulated runner or None)``."""
     from cvllm import loader
-    from cvllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                              SchedulerConfig)
-    from cvllm.engine.llm_engine import LLMEngine
     from cvllm.engine.tokenizer import Tokenizer
 
     if args.real_model:
@@ -81,20 +78,12 @@ def build_engine(args):
             disable_prefix_cache=args.disable_prefix_cache)
         return engine, None
     tok = Tokenizer(loader.load_tokenizer(loader.resolve_model_source(None, args.model)))
-    words = bh.word_tokens(tok)
-    hf = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-              vocab_size=len(tok.hf), max_position_embeddings=args.max_model_len)
-    config = EngineConfig(
-        model=ModelConfig("LlamaForCausalLM", hf, eos_token_ids=[tok.eos_token_id or 0],
-                          bos_token_id=tok.bos_token_id),
-        cache=CacheConfig(block_size=16, enable_prefix_caching=not args.disable_prefix_cache),
-        scheduler=SchedulerConfig(max_num_seqs=256, max_model_len=args.max_model_len,
-                                  max_num_batched_tokens=8192),
-        device=DeviceConfig())
-    runner = PrefillCostRunner(40000, args.device_ms / 1e3, words,
+    runner = PrefillCostRunner(40000, args.device_ms / 1e3, bh.word_tokens(tok),
                                us_per_token=args.prefill_us_per_token,
                                eager_s=args.eager_ms / 1e3)
-    return LLMEngine(config, tok, runner, overlap=True), runner
+    engine = bh.simulated_engine(tok, runner, 256, args.max_model_len, 8192,
+                                 prefix_cache=not args.disable_prefix_cache)
+    return engine, runner
 
 
 class Stamps:
