@@ -88,10 +88,18 @@ _MM64_SWEEP = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT) at M = 64
     (64, 128, 64, 4, 4, 8, 2), (64, 128, 256, 8, 3, 8, 1), (64, 256, 128, 8, 3, 8, 1)]
 
 
-def candidates(m: int) -> List[tuple]:
-    """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows."""
+_GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch) of the int8 GEMV (Q4_0 / Q4_1 / Q4_K)
+    (16, 2048, 4, False), (8, 2048, 4, False), (16, 4096, 4, False), (8, 4096, 4, False),
+    (8, 2048, 2, False), (4, 4096, 2, False), (4, 2048, 2, True), (8, 1024, 2, True),
+    (16, 4096, 8, False), (32, 4096, 8, False), (16, 1024, 4, True), (4, 4096, 4, False)]
+
+
+def candidates(m: int, plain4: bool = False) -> List[tuple]:
+    """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows (``plain4``: Q4_0 / Q4_1
+    / Q4_K, which also have the int8 GEMV)."""
     if m == 1:
-        return [("gemv", c) for c in _GEMV_SWEEP]
+        return [("gemv", c) for c in _GEMV_SWEEP] + (
+            [("gemv_i8", c) for c in _GEMV_I8_SWEEP] if plain4 else [])
     if m == 2:
         return [("gemv", c) for c in [(8, 4096, 4, False), (16, 4096, 4, False),
                                       (8, 2048, 4, True), (16, 2048, 4, True)]] + [
@@ -154,7 +162,7 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             flops = 2 * m * n * k
             row: Dict[str, Any] = {"type": tname, "shape": shape, "N": n, "K": k, "M": m,
-                                   "quant_bytes": qbytes, "path": gc.choose_path(m)}
+                                   "quant_bytes": qbytes, "path": gc.choose_path(m, probe.spec)}
             want = F.linear(x, gc.dequantize(probe, torch.bfloat16)).float()
             got = gc.linear(x, probe).float()
             row["rel_err_vs_bf16_dense"] = ((got - want).norm() / want.norm()).item()
@@ -174,7 +182,7 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     """Every candidate path/config at this M: time and error, fastest first."""
     from cvllm.kernels.quant import ggml_cuda as gc
 
-    cands = candidates(m)
+    cands = candidates(m, gc._is_plain4(ws[0].spec))
     out = []
     for path, cfg in cands:
         try:

@@ -13,7 +13,12 @@ Tolerances (relative to the output's RMS; float32 accumulation throughout): the 
 the weights in float32, so its error is the output's rounding (bf16: 2**-9 relative);
 the tensor-core and dense paths also round each weight to x's dtype, which adds about
 2**-9 of the output's RMS (random-walk over K); 2e-2 of the RMS covers both with margin
-for float32 summation order.
+for float32 summation order. The int8 GEMV (``gemv_i8``: one row of Q4_0 / Q4_1 / Q4_K)
+is the exact product with x rounded to int8 per 32 elements (``int8_rounded``, emulated
+here in torch), so it is held to the same 2e-2 against that product; against the
+unrounded x its error is that rounding's, 0.5-1% of the output's RMS on these random
+weights (each element off by up to half of 1/127 of its block's largest |x|), checked at
+4e-2 (relative L2 under 2e-2).
 """
 
 from __future__ import annotations
@@ -83,21 +88,40 @@ def assert_close_rms(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert rel <= tol / 2, f"relative L2 error {rel:.3g} > {tol / 2}"
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as ``gemv_i8`` rounds it, float64: per 32 elements
+    ``round(x * (127 / amax)) * amax / 127`` (half to even, float32 products)."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    q = torch.round(xf * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax.double() / 127)).reshape(x.shape)
+
+
 def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
-                 dtype=torch.float16, device="cpu", bias=False, raw=None, want_w=None):
-    """``linear`` on ``m`` rows against the float64 product with the oracle's weights."""
+                 dtype=torch.float16, device="cpu", bias=False, raw=None, want_w=None,
+                 x=None):
+    """``linear`` on ``m`` rows against the float64 product with the oracle's weights (and,
+    on the int8 path, with x as that path rounds it)."""
     from cvllm.kernels.quant import ggml_cuda as gc
 
     raw = random_raw(t, n, k, seed=n + k + m, device=device) if raw is None else raw
     w = gc.prepare(raw, t)
     want_w = oracle(raw, t) if want_w is None else want_w  # [N, K]
     g = torch.Generator(device=device).manual_seed(m)
-    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    gaussian = x is None
+    if gaussian:
+        x = torch.randn(m, k, generator=g, device=device).to(dtype)
     b = (torch.randn(n, generator=g, device=device) * 0.1).to(dtype) if bias else None
     y = gc.linear(x, w, b, path=path, config=config)
     want = x.double() @ want_w.double().T + (b.double() if bias else 0)
     assert y.shape == (m, n) and y.dtype == dtype
-    assert_close_rms(y, want, 2e-2)
+    if (path or gc.choose_path(m, w.spec)) == "gemv_i8":
+        assert_close_rms(y, int8_rounded(x) @ want_w.double().T + (b.double() if bias else 0),
+                         2e-2)
+        if gaussian:  # (an outlier makes its block's rounding coarse: a property of x)
+            assert_close_rms(y, want, 4e-2)
+    else:
+        assert_close_rms(y, want, 2e-2)
     return w, want_w
 
 
@@ -122,6 +146,15 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     check_linear(t, n, k, 3, path="mm", bias=True, **common)
     check_linear(t, n, k, 17, path="mm", config=(32, 32, 256, 4, 2, 8, 2), **common)
     check_linear(t, n, k, 5, path="dense", bias=True, **common)
+    if gc._is_plain4(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
+        check_linear(t, n, k, 1, path="gemv_i8", bias=True, **common)
+        check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
+        check_linear(t, n, k, 1, path="gemv_i8", config=(16, 256, 4, False), **common)
+        check_linear(t, n, k, 1, path="gemv_i8", config=(8, 1024, 4, False), **common)
+        x = torch.randn(1, k, device=device).to(dtype)
+        x[0, 64:96] = 0  # a block of zeros (no scale) and a lone large value
+        x[0, 7] = 300.0
+        check_linear(t, n, k, 1, path="gemv_i8", x=x, **common)
 
 
 def run_cpu_cases() -> None:
@@ -190,6 +223,11 @@ def test_wrappers_reject_bad_inputs():
         gc.linear(x, w, path="fast")
     with pytest.raises(ValueError, match="at most 16"):
         gc.linear(torch.randn(17, 256).half(), w, path="gemv")
+    with pytest.raises(ValueError, match="one row of Q4_0"):
+        gc.linear(x, w, path="gemv_i8")
+    with pytest.raises(ValueError, match="one row of Q4_0"):
+        gc.linear(x[:1], gc.prepare(random_raw(GgmlType.Q6_K, 8, 256), GgmlType.Q6_K),
+                  path="gemv_i8")
     with pytest.raises(ValueError, match="field lo"):
         gc.linear(x, gc.CudaGgmlWeight(w.ggml_type, w.shape, w.lo[:, :8].contiguous(), w.d,
                                        dm=w.dm, sc=w.sc, mn=w.mn))
@@ -233,6 +271,24 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
+    # The int8 GEMV: one row of the plain 4-bit types only, unless turned off.
+    assert [choose_path(1, SPECS[t]) for t in (GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K,
+                                               GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.IQ4_NL,
+                                               GgmlType.Q8_0)] == ["gemv_i8"] * 3 + ["gemv"] * 4
+    assert choose_path(2, q4k) == "gemv"
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    try:
+        gc.INT8_GEMV = False
+        assert choose_path(1, q4k) == "gemv"
+    finally:
+        gc.INT8_GEMV = True
+    # The H100 sweep's int8 plans: gate_up, qkv, o_proj / down.
+    assert gc.plan_gemv_i8(28672, 4096, 132) == (16, 2048, 4, False)
+    assert gc.plan_gemv_i8(6144, 4096, 132) == (8, 2048, 4, False)
+    assert gc.plan_gemv_i8(4096, 4096, 132) == gc.plan_gemv_i8(4096, 14336, 132) == (
+        16, 4096, 4, False)
+    assert gc.plan_gemv_i8(64, 512, 132) == (16, 512, 4, False)
 
 
 # ----- GPU: compiled, model-sized ---------------------------------------------------------------

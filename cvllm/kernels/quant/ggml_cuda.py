@@ -10,9 +10,13 @@ rank's device. Nothing else keeps state, except the dense scratch of the large-M
 
 Layout: ``prepare`` splits each GGUF row into per-field arrays (``ggml_pack.py``: quants
 as int32 words in a sub-block field-major order, fp16 block scales, unpacked sub-block
-scales), within 1.05x of the GGUF bytes. ``linear`` picks one of three paths by the
-number of rows M (``choose_path``):
+scales), within 1.05x of the GGUF bytes. ``linear`` picks one of four paths by the
+number of rows M and the type (``choose_path``):
 
+- ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K): the activations rounded to int8 per 32
+  elements, the products summed by ``dp4a`` (``ggml_kernels.ggml_gemv_i8_kernel``): the
+  float path spends about 6.4 instructions an element and is bound by its issue slots,
+  this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off.
 - ``gemv`` (M <= ``GEMV_MAX_M`` = 2): float32 FMA in registers, the weight streamed once
   (``ggml_kernels.ggml_gemv_kernel``); batch-1 decode is a pure weight stream.
 - ``mm`` (up to 128 rows): weight tiles dequantized in registers into ``tl.dot``, K split
@@ -22,7 +26,8 @@ number of rows M (``choose_path``):
 
 Measured on an H100 (tools/bench_ggml.py, docs/benchmarks/ggml-h100.json; 8B Llama
 shapes qkv / o_proj / gate_up / down; device-to-device copy 2955 GB/s): Q4_K at one row
-streams 1863 / 1618 / 2135 / 1764 GB/s of its blocks (0.55-0.72 of the copy rate); Q8_0
+streams 1863 / 1618 / 2135 / 1764 GB/s of its blocks on the float path (0.55-0.72 of the
+copy rate), 1919 / 2012 / 2537 / 1939 on ``gemv_i8`` (7.6 / 4.8 / 26.8 / 17.5 us); Q8_0
 2118 / 2392 / 2888 / 2700; at 64 rows a Q4_K layer's four products take 199 us against
 bf16 cuBLAS' 173 (0.87x its throughput); the Q6_K LM head (128256 x 4096) 187 us at one
 row, 393 us at 64 (bf16 392); at 2048 rows (prefill) the dense path runs at 0.84-0.87x
@@ -30,7 +35,11 @@ bf16.
 
 Numerics: float32 dequantization (one rounding of ``s * q + m``) and float32 accumulation;
 the ``mm`` and ``dense`` paths round the weight to x's dtype before the product (as a
-bf16 layer does), the ``gemv`` path does not; one rounding of the output.
+bf16 layer does), the ``gemv`` path does not; one rounding of the output. ``gemv_i8``
+computes exactly (integer sums, float32 scaling) the product with x rounded to int8 per
+32-element block with an absmax scale (llama.cpp's q8_1 rounding, which its CUDA kernels
+use for every quantized product): about 0.3 / 127 of each block's largest |x| per
+element, 0.5-1% of the output's RMS on random data (tests/kernels/test_ggml_cuda.py).
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ DENSE_MIN_M = 129
 the tensor-core kernel wins by 1.3-2x; 128 was not measured (it decodes each weight once
 there, as at 64)."""
 MAX_K = 1 << 20
+INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
+"""Batch-1 products of Q4_0 / Q4_1 / Q4_K round the activations to int8 (``gemv_i8``);
+``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read once."""
 _MAGIC = 0x4B000000
 """The exponent bits of ``2**23``, passed as a run-time argument: a literal would let ptxas
 put it in LOP3's immediate slot and re-create the per-field mask before every LOP3."""
@@ -293,6 +305,45 @@ def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, con
         PREFETCH=prefetch, PDL=use_pdl, WARPS=warps, num_warps=warps, **pdl.launch_args(x2))
 
 
+def _is_plain4(spec: PackSpec) -> bool:
+    """The types ``ggml_gemv_i8_kernel`` takes: 4-bit quants in 32-element sub-blocks, no
+    high bits, no value table (Q4_0, Q4_1, Q4_K)."""
+    return spec.lb == 4 and spec.hb == 0 and not spec.lut and spec.sb == 32 \
+        and spec.mode in (0, 1, 3)
+
+
+def plan_gemv_i8(n: int, k: int, num_sms: int) -> Tuple[int, int, int, bool]:
+    """``(BN, BK, num_warps, prefetch)`` of ``ggml_gemv_i8_kernel``. The H100 sweep
+    (Q4_K, 8B shapes; 13 configs): 16 rows and 2048-element K steps where 16-row programs
+    fill the SMs eight times over (gate_up, N = 28672: 26.8 us against 29.3 for 8 rows),
+    8 rows and 2048 where they fill them two to eight times (qkv, N = 6144: 7.6 against
+    8.9), else 16 rows and 4096 (o_proj and down, N = 4096: 4.8 / 17.5 us against 6.4 /
+    19.0 for the next best); 4 warps each."""
+    programs = triton.cdiv(n, 16)
+    if programs >= 8 * num_sms:
+        bn, bk = 16, 2048
+    elif programs > 2 * num_sms:
+        bn, bk = 8, 2048
+    else:
+        bn, bk = 16, 4096
+    bk = max(32, min(bk, triton.next_power_of_2(k)))
+    return bn, bk, 4, False
+
+
+def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
+                    config) -> None:
+    n, k = w.shape
+    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2))
+    (lo, _hi, d, dm, sc, mn), (s_lo, s_sub, s_d) = w.args
+    spec = w.spec
+    gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn),)](
+        x2, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub, s_d,
+        SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
+        PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED,
+        num_warps=warps, **pdl.launch_args(x2))
+
+
 def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
     m, k = x2.shape
     n = w.shape[0]
@@ -317,8 +368,11 @@ def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, confi
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
-def choose_path(m: int) -> str:
-    """``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows (see the module docstring)."""
+def choose_path(m: int, spec: Optional[PackSpec] = None) -> str:
+    """``"gemv_i8"``, ``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows of a weight
+    of layout ``spec`` (see the module docstring)."""
+    if m == 1 and spec is not None and INT8_GEMV and _is_plain4(spec):
+        return "gemv_i8"
     if m <= GEMV_MAX_M:
         return "gemv"
     return "mm" if m < DENSE_MIN_M else "dense"
@@ -328,7 +382,8 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
            path: Optional[str] = None, config: Optional[tuple] = None) -> torch.Tensor:
     """``x [.., K]`` (bf16 / fp16) -> ``x @ W^T (+ bias)`` ``[.., N]`` in x's dtype; any
     number of rows. ``path`` / ``config`` override ``choose_path`` and the tile plans (the
-    benchmark's sweep); ``gemv`` takes at most 16 rows."""
+    benchmark's sweep); ``gemv`` takes at most 16 rows, ``gemv_i8`` one row of Q4_0 /
+    Q4_1 / Q4_K."""
     _check_inputs(x, w, bias)
     n, k = w.shape
     x2 = x.reshape(-1, k)  # [M, K]
@@ -339,8 +394,13 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     if m and n:
         if bias is not None and bias.stride(0) != 1:
             bias = bias.contiguous()
-        path = path or choose_path(m)
-        if path == "gemv":
+        path = path or choose_path(m, w.spec)
+        if path == "gemv_i8":
+            if m != 1 or not _is_plain4(w.spec):
+                raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K; "
+                                 f"got {m} rows of {w.ggml_type.name}")
+            _launch_gemv_i8(x2, w, bias, y, config)
+        elif path == "gemv":
             if m > 16:
                 raise ValueError(f"the gemv path takes at most 16 rows; got {m}")
             _launch_gemv(x2, w, bias, y, config)

@@ -10,6 +10,9 @@ the tile decoding they share is ``ggml_tiles.py``. Weight fields are the layout 
   prefetch (``PREFETCH``: the next K step's fields are loaded before this one is
   reduced) and programmatic dependent launch (``PDL``: the first tile is in flight
   before the kernel that wrote ``x`` has finished, as in ``kernels/gemv.py``).
+- ``ggml_gemv_i8_kernel``: one input row of the plain 4-bit types (Q4_0, Q4_1, Q4_K),
+  the activations rounded to int8 per sub-block and summed with ``dp4a`` (the batch-1
+  decode path: the float GEMV is bound by its instruction issue on these types).
 - ``ggml_mm_kernel``: a ``[BM, BN]`` output tile a program; each weight tile is decoded
   in registers to x's dtype and fed to ``tl.dot`` (tensor cores), float32 accumulator.
 - ``ggml_dequant_kernel``: rows of the weight (all, or those named by token ids) into a
@@ -247,3 +250,174 @@ def ggml_dequant_kernel(
     mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
     tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_out + offs_k[None, :], w,
              mask=mask)
+
+
+@triton.jit
+def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_d,
+             SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr, NSUB: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """One K step of ``ggml_gemv_i8_kernel``: the words ``[BN, NSUB * 4]`` (2-D: a row's
+    words are one contiguous run, which every Triton version lays out four to a thread)
+    and the sub-blocks' ``s, m [BN, NSUB]``."""
+    sub = k0 // 32 + tl.arange(0, NSUB)  # [NSUB]
+    j = k0 // 8 + tl.arange(0, NSUB * 4)  # [NSUB * 4] word index along the row
+    offs = rows[:, None] * s_lo + j[None, :]  # [BN, NSUB * 4]
+    kmask = (sub < K // 32)[None, :]  # [1, NSUB]
+    if EVEN_K:
+        lo = tl.load(lo_ptr + offs, eviction_policy="evict_first")
+    else:
+        lo = tl.load(lo_ptr + offs, mask=(j < K // 8)[None, :], other=0,
+                     eviction_policy="evict_first")
+    r2 = rows[:, None]
+    d_offs = r2 * s_d + (sub // (SUPER // 32))[None, :]
+    if EVEN_K:
+        d = tl.load(d_ptr + d_offs).to(tl.float32)
+    else:
+        d = tl.load(d_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
+    if MODE == 0:
+        s = d
+        m = d * OFF
+    elif MODE == 1:
+        s = d
+        if EVEN_K:
+            m = tl.load(dm_ptr + d_offs).to(tl.float32)
+        else:
+            m = tl.load(dm_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
+    else:  # MODE 3 (Q4_K): d * sc, -dm * mn
+        sub_offs = r2 * s_sub + sub[None, :]
+        if EVEN_K:
+            dm = tl.load(dm_ptr + d_offs).to(tl.float32)
+            sc = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first")
+            mn = tl.load(mn_ptr + sub_offs, eviction_policy="evict_first")
+        else:
+            dm = tl.load(dm_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
+            sc = tl.load(sc_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
+            mn = tl.load(mn_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
+        s = d * sc.to(tl.float32)
+        m = -(dm * mn.to(tl.float32))
+    return lo, s, m
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """``c + sum_i a.u8[i] * b.s8[i]`` over the four bytes of int32 ``a`` (unsigned) and
+    ``b`` (signed): one ``dp4a`` (the interpreter, which runs no PTX: the same sum in
+    integer arithmetic)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                        [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = c
+        for i in tl.static_range(4):
+            out += ((a >> (8 * i)) & 255) * ((b << (24 - 8 * i)) >> 24)
+    return out
+
+
+@triton.jit
+def _q8_byte(x, inv, SH: tl.constexpr):
+    """``round(x * inv)`` (|.| <= 127) as its two's-complement byte at bits ``SH``: the
+    float ``1.5 * 2**23 + r`` holds ``r`` in its low mantissa bits."""
+    v = (x * inv + 12582912.0).to(tl.int32, bitcast=True) & 255
+    return v << SH
+
+
+@triton.jit
+def _x_run(xo, F: tl.constexpr, xmask, EVEN_K: tl.constexpr):
+    """Field ``F``'s run of activations for every word, float32 (kept in L2: every
+    program reads x)."""
+    if EVEN_K:
+        x = tl.load(xo + 4 * F, eviction_policy="evict_last")
+    else:
+        x = tl.load(xo + 4 * F, mask=xmask, other=0.0, eviction_policy="evict_last")
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _i8_step(lo, s, m, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+             ASM: tl.constexpr):
+    """``[BN, NSUB]``: each sub-block's ``s * sum(q x) + m * sum(x)`` for one K step, with
+    the activations rounded to int8 per 32-element sub-block (absmax scale, as llama.cpp's
+    q8_1) and the products summed by ``dp4a``: two masks, a shift and two dp4a for a
+    word's eight elements. The ``m * sum(x)`` term sums the same rounded activations, so
+    the result is exactly the product with the rounded x (an error in proportion to the
+    weights, not to ``q`` and ``m`` apart, which cancel)."""
+    BN: tl.constexpr = lo.shape[0]
+    j = tl.arange(0, NSUB * 4)
+    xo = x_ptr + k0 + (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's run of each word
+    xmask = k0 + (j // 4) * 32 < K
+    x0 = _x_run(xo, 0, xmask, EVEN_K)
+    x1 = _x_run(xo, 1, xmask, EVEN_K)
+    x2 = _x_run(xo, 2, xmask, EVEN_K)
+    x3 = _x_run(xo, 3, xmask, EVEN_K)
+    x4 = _x_run(xo, 4, xmask, EVEN_K)
+    x5 = _x_run(xo, 5, xmask, EVEN_K)
+    x6 = _x_run(xo, 6, xmask, EVEN_K)
+    x7 = _x_run(xo, 7, xmask, EVEN_K)
+    a = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                              tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                              tl.maximum(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(tl.reshape(a, (NSUB, 4)), axis=1)  # [NSUB] each sub-block's largest |x|
+    inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)  # [NSUB]
+    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 4)), (NSUB * 4,))
+    # A word's even fields (bytes of lo & 0x0F0F0F0F) pair with x runs 0, 2, 4, 6, its odd
+    # fields ((lo >> 4) & 0x0F0F0F0F) with runs 1, 3, 5, 7: pack the int8 x to match.
+    xe = _q8_byte(x0, inv, 0) | _q8_byte(x2, inv, 8) | _q8_byte(x4, inv, 16) \
+        | _q8_byte(x6, inv, 24)
+    xd = _q8_byte(x1, inv, 0) | _q8_byte(x3, inv, 8) | _q8_byte(x5, inv, 16) \
+        | _q8_byte(x7, inv, 24)
+    acc = _dp4a(lo & 0x0F0F0F0F, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
+    acc = _dp4a((lo >> 4) & 0x0F0F0F0F, xd[None, :], acc, ASM)
+    isum = tl.sum(tl.reshape(acc, (BN, NSUB, 4)), axis=2)  # [BN, NSUB]
+    ones = tl.full(xe.shape, 0x01010101, tl.int32)
+    xq = _dp4a(ones, xd, _dp4a(ones, xe, tl.zeros(xe.shape, tl.int32), ASM), ASM)
+    xsum = tl.sum(tl.reshape(xq, (NSUB, 4)), axis=1)  # [NSUB] sum of the int8 x
+    dx = amax * (1.0 / 127.0)
+    return isum.to(tl.float32) * (s * dx[None, :]) + (xsum.to(tl.float32) * dx)[None, :] * m
+
+
+@triton.jit
+def ggml_gemv_i8_kernel(
+    x_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    N, K, s_lo, s_sub, s_d,
+    SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
+    BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
+):
+    """``y[0, rows] = x[0] @ W[rows]^T (+ b)`` for one input row and the plain 4-bit types
+    (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table): the
+    batch-1 decode path. A thread holds whole sub-blocks (one 16-byte load each) of all
+    ``BN`` rows, rounds their activations to int8 once and sums each sub-block with
+    ``dp4a`` (``_i8_step``): about 2.7 instructions an element against the float path's
+    6.4, so the kernel streams the weights instead of waiting on its own issue slots.
+    ``WIDE``: 64-bit row offsets (a weight past 2**31 words); ``ASM``: dp4a in PTX (off
+    under the interpreter)."""
+    BK: tl.constexpr = NSUB * 32
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
+    if WIDE:
+        rows = rows.to(tl.int64)
+    lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, 0, K, s_lo, s_sub, s_d,
+                        SUPER, MODE, OFF, NSUB, EVEN_K)
+    if PDL:
+        gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
+        gdc_launch_dependents()
+    if PREFETCH:
+        acc = tl.zeros((BN, NSUB), dtype=tl.float32)
+        for k0 in range(BK, K, BK):
+            n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K,
+                                      s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
+            acc += _i8_step(lo, s, m, x_ptr, k0 - BK, K, NSUB, EVEN_K, ASM)
+            lo, s, m = n_lo, n_s, n_m
+        acc += _i8_step(lo, s, m, x_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM)
+    else:
+        acc = _i8_step(lo, s, m, x_ptr, 0, K, NSUB, EVEN_K, ASM)
+        for k0 in range(BK, K, BK):
+            lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo,
+                                s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
+            acc += _i8_step(lo, s, m, x_ptr, k0, K, NSUB, EVEN_K, ASM)
+    y = tl.sum(acc, axis=1)  # [BN]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
