@@ -28,7 +28,7 @@ blocks.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from cvllm.quantization.base import (
     EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, QuantizationConfig, set_weight_attrs,
 )
 from cvllm.quantization.packed import check_input_split, create_packed
+from cvllm.quantization.unquantized import FUSE_ACT
 
 logger = logging.getLogger("cvllm.quantization")
 
@@ -182,7 +183,7 @@ class _Prepared:
     of same-type output rows, in row order (usually one run)."""
 
     def __init__(self, param: torch.nn.Parameter, dtype: torch.dtype,
-                 budget: Optional[BatchCopyBudget] = None):
+                 budget: Optional[BatchCopyBudget] = None, exact: bool = False):
         layout = param.packed
         self.rows = layout.rows
         self.groups: List[Tuple[GgmlBackend, GgmlWeight, int]] = []
@@ -192,7 +193,7 @@ class _Prepared:
             backend = backend_for(param.device, t, dtype)
             shape = (raw.shape[0], raw.shape[1] // block_shape(t)[1] * block_shape(t)[0])
             copy = budget is not None and budget.take(backend.batch_copy_bytes(t, shape))
-            weight = backend.prepare(raw.contiguous(), t, dtype, batch_copy=copy)
+            weight = backend.prepare(raw.contiguous(), t, dtype, batch_copy=copy, exact=exact)
             self.groups.append((backend, weight, len(ids)))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -247,6 +248,22 @@ class GGUFLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.prepared.linear(x, bias)
 
+    def apply_fused(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
+                    act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:
+        """``apply(layer, act_fn(x), bias)``; where the backend's batch-1 kernel applies
+        the gated activation itself (``linear_gated``), in one launch. No push to
+        ``sink``: the caller's reduction runs as usual."""
+        act = getattr(act_fn, "kernel_activation", None) if FUSE_ACT else None
+        if act is not None and len(self.prepared.groups) == 1:
+            backend, w, _ = self.prepared.groups[0]
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, 2K]
+            y = backend.linear_gated(x2, w, act, bias)
+            if y is not None:
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        if act_fn is not None:
+            x = act_fn(x)  # [.., I]
+        return self.apply(layer, x, bias)
+
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         if self.prepared is None:
             return []
@@ -288,7 +305,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if self.prepared is None:
             self.prepared = _Prepared(layer.weight, self.params_dtype,
-                                      self.budget if self.is_head else None)
+                                      self.budget if self.is_head else None, exact=True)
             backend, _, _ = self.prepared.groups[0]
             if not backend.exact(self.params_dtype):
                 raw = layer.weight.packed.part_tensor(layer.weight.data, 0)

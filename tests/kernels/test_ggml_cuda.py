@@ -125,6 +125,24 @@ def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
     return w, want_w
 
 
+def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype) -> None:
+    """The int8 GEMV with the gated activation applied on load: the product with
+    ``act_and_mul_ref`` of the gate_up row (the activation kernel's roundings), rounded
+    to int8 as ``gemv_i8`` rounds it; through the backend too, which declines two rows."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.reference import act_and_mul_ref
+
+    k = w.shape[1]
+    for act in ("silu", "gelu_tanh"):
+        gate_up = (torch.randn(1, 2 * k, device=device) * 2).to(dtype)
+        x = act_and_mul_ref(gate_up, act)  # [1, K] in dtype
+        want = int8_rounded(x) @ want_w.double().T
+        assert_close_rms(gc.linear(gate_up, w, act=act), want, 2e-2)
+        assert_close_rms(gc.CudaBackend().linear_gated(gate_up, w, act), want, 2e-2)
+    assert gc.CudaBackend().linear_gated(torch.randn(2, 2 * k, device=device).to(dtype), w,
+                                         "silu") is None
+
+
 def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     """Every path of one type at small, ragged shapes (N not a multiple of the row block)."""
     from cvllm.kernels.quant import ggml_cuda as gc
@@ -155,6 +173,15 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
         x[0, 64:96] = 0  # a block of zeros (no scale) and a lone large value
         x[0, 7] = 300.0
         check_linear(t, n, k, 1, path="gemv_i8", x=x, **common)
+        if device != "cpu" or dtype != torch.bfloat16:  # the interpreter truncates to bf16
+            check_gated(w, want_w, device, dtype)
+        # An exact weight (an LM head) keeps the float path: the same bits as asking for it.
+        w_exact = gc.prepare(raw, t, exact=True)
+        x = torch.randn(1, k, device=device).to(dtype)
+        assert gc.choose_path(1, w_exact.spec, w_exact.exact) == "gemv"
+        assert torch.equal(gc.linear(x, w_exact), gc.linear(x, w, path="gemv"))
+        assert gc.CudaBackend().linear_gated(torch.randn(1, 2 * k, device=device).to(dtype),
+                                             w_exact, "silu") is None
 
 
 def run_cpu_cases() -> None:
@@ -228,6 +255,15 @@ def test_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match="one row of Q4_0"):
         gc.linear(x[:1], gc.prepare(random_raw(GgmlType.Q6_K, 8, 256), GgmlType.Q6_K),
                   path="gemv_i8")
+    gate_up = torch.randn(2, 512).half()
+    with pytest.raises(ValueError, match="gated input needs one row"):
+        gc.linear(gate_up, w, act="silu")
+    with pytest.raises(ValueError, match="gated input needs one row"):
+        gc.linear(gate_up[:1], w, act="silu", path="gemv")
+    with pytest.raises(ValueError, match="unsupported activation"):
+        gc.linear(gate_up[:1], w, act="relu")
+    with pytest.raises(ValueError, match="disagree"):
+        gc.linear(x[:1], w, act="silu")
     with pytest.raises(ValueError, match="field lo"):
         gc.linear(x, gc.CudaGgmlWeight(w.ggml_type, w.shape, w.lo[:, :8].contiguous(), w.d,
                                        dm=w.dm, sc=w.sc, mn=w.mn))

@@ -47,10 +47,12 @@ class GgmlBackend(ABC):
 
     @abstractmethod
     def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-                batch_copy: bool = False) -> GgmlWeight:
+                batch_copy: bool = False, exact: bool = False) -> GgmlWeight:
         """``raw uint8 [N, K / B * S]`` -> this backend's weight (``dtype``: activations).
         ``batch_copy``: the caller grants ``batch_copy_bytes`` more bytes for a float copy
-        that multiplies batches faster (backends without one ignore it)."""
+        that multiplies batches faster (backends without one ignore it). ``exact``: the
+        products must not round the activations where the backend has a choice (an LM
+        head; ``exact()`` says what a backend always does)."""
 
     def batch_copy_bytes(self, t: GgmlType, shape: Tuple[int, int]) -> int:
         """Bytes of the float copy ``prepare(batch_copy=True)`` would add for an ``(N, K)``
@@ -62,14 +64,23 @@ class GgmlBackend(ABC):
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [M, K] -> [M, N]`` in ``x``'s dtype."""
 
+    def linear_gated(self, x: torch.Tensor, w: GgmlWeight, act: str,
+                     bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``linear(act(gate) * up, w, bias)`` for a gate_up output ``x [M, 2K]``
+        (``act``: a key of ``kernels/activation.ACTIVATIONS``) where the backend's kernel
+        applies the activation itself, in one launch; None where it does not (the caller
+        runs the activation first)."""
+        return None
+
     @abstractmethod
     def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids [T]`` of the dequantized weight: ``[T, K]`` in ``dtype``."""
 
     def exact(self, dtype: torch.dtype) -> bool:
         """Whether ``linear`` with ``dtype`` activations multiplies by the exactly
-        dequantized weight, accumulating at least in ``dtype``; False for a backend that
-        rounds activations or scales to a narrower type."""
+        dequantized weight, accumulating at least in ``dtype``, for weights prepared with
+        ``exact=True``; False for a backend that rounds activations or scales to a
+        narrower type even then."""
         return True
 
 
@@ -96,7 +107,7 @@ class ReferenceBackend(GgmlBackend):
         return t in QUANTIZED_TYPES or t in FLOAT_TYPES
 
     def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-                batch_copy: bool = False) -> RawWeight:
+                batch_copy: bool = False, exact: bool = False) -> RawWeight:
         from cvllm.kernels.quant.ggml_types import block_shape
 
         elems, nbytes = block_shape(t)
@@ -138,7 +149,7 @@ class DequantizedBackend(GgmlBackend):
         return t in QUANTIZED_TYPES or t in FLOAT_TYPES
 
     def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-                batch_copy: bool = False) -> DequantizedWeight:
+                batch_copy: bool = False, exact: bool = False) -> DequantizedWeight:
         from cvllm.kernels.quant.reference import dequantize
 
         w = dequantize(raw, t, dtype)  # [N, K]

@@ -426,8 +426,8 @@ class CpuBackend(GgmlBackend):
         return supports(t, dtype)
 
     def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-                batch_copy: bool = False) -> CpuGgmlWeight:
-        return prepare(raw, t, dtype, batch_copy=batch_copy)
+                batch_copy: bool = False, exact: bool = False) -> CpuGgmlWeight:
+        return prepare(raw, t, dtype, batch_copy=batch_copy)  # never exact: see exact()
 
     def batch_copy_bytes(self, t: GgmlType, shape: Tuple[int, int]) -> int:
         return batch_copy_bytes(t, shape)

@@ -16,7 +16,10 @@ number of rows M and the type (``choose_path``):
 - ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K): the activations rounded to int8 per 32
   elements, the products summed by ``dp4a`` (``ggml_kernels.ggml_gemv_i8_kernel``): the
   float path spends about 6.4 instructions an element and is bound by its issue slots,
-  this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off.
+  this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off. It also takes a gate_up row and
+  applies the gated activation on load (``linear(.., act=)``, ``CudaBackend.linear_gated``:
+  the MLP's down projection in one kernel). Weights prepared ``exact`` (the LM head,
+  whose logits pick the greedy token) keep the float ``gemv``.
 - ``gemv`` (M <= ``GEMV_MAX_M`` = 2): float32 FMA in registers, the weight streamed once
   (``ggml_kernels.ggml_gemv_kernel``); batch-1 decode is a pure weight stream.
 - ``mm`` (up to 128 rows): weight tiles dequantized in registers into ``tl.dot``, K split
@@ -104,6 +107,9 @@ class CudaGgmlWeight:
     dm: Optional[torch.Tensor] = None
     sc: Optional[torch.Tensor] = None
     mn: Optional[torch.Tensor] = None
+    exact: bool = False
+    """Products keep the activations as they are (no ``gemv_i8``): an LM head, whose
+    logits pick the greedy token."""
     args: tuple = field(init=False, repr=False)
     """``(pointers, row strides)`` of the kernels (absent fields stand in as ``lo``)."""
 
@@ -126,9 +132,10 @@ class CudaGgmlWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def prepare(raw: torch.Tensor, t: GgmlType) -> CudaGgmlWeight:
+def prepare(raw: torch.Tensor, t: GgmlType, exact: bool = False) -> CudaGgmlWeight:
     """``raw`` uint8 ``[N, K / B * S]`` (GGUF rows, any device) -> the split weight on
-    raw's device. The caller may free ``raw`` afterwards."""
+    raw's device (``exact``: see ``CudaGgmlWeight.exact``). The caller may free ``raw``
+    afterwards."""
     if not supports(t):
         raise ValueError(f"GGML type {t!r} has no GPU kernels here")
     t = GgmlType(t)
@@ -139,7 +146,7 @@ def prepare(raw: torch.Tensor, t: GgmlType) -> CudaGgmlWeight:
     n, k = raw.shape[0], raw.shape[1] // nbytes * elems
     if k > MAX_K:
         raise ValueError(f"K={k} exceeds {MAX_K}")
-    return CudaGgmlWeight(t, (n, k), **repack(raw.contiguous(), t))
+    return CudaGgmlWeight(t, (n, k), **repack(raw.contiguous(), t), exact=exact)
 
 
 def _check_weight(w: CudaGgmlWeight) -> None:
@@ -276,12 +283,13 @@ def _is_weight(w) -> None:
         raise ValueError(f"w must be a CudaGgmlWeight from prepare(); got {type(w).__name__}")
 
 
-def _check_inputs(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor]) -> None:
+def _check_inputs(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor],
+                  gated: bool = False) -> None:
     _is_weight(w)
     n, k = w.shape
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x [.., K] and the weight [N, K] = {w.shape} disagree: "
-                         f"{tuple(x.shape)}")
+    if x.dim() < 1 or x.shape[-1] != (2 * k if gated else k):
+        raise ValueError(f"x [.., {'2K' if gated else 'K'}] and the weight [N, K] = "
+                         f"{w.shape} disagree: {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be one of {_DTYPES}; got {x.dtype}")
     if x.device != w.lo.device:
@@ -331,7 +339,7 @@ def plan_gemv_i8(n: int, k: int, num_sms: int) -> Tuple[int, int, int, bool]:
 
 
 def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
-                    config) -> None:
+                    config, act: int = 0) -> None:
     n, k = w.shape
     bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2))
     (lo, _hi, d, dm, sc, mn), (s_lo, s_sub, s_d) = w.args
@@ -340,7 +348,7 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
         x2, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub, s_d,
         SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
-        PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED,
+        PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,
         num_warps=warps, **pdl.launch_args(x2))
 
 
@@ -368,25 +376,45 @@ def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, confi
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
-def choose_path(m: int, spec: Optional[PackSpec] = None) -> str:
+def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False) -> str:
     """``"gemv_i8"``, ``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows of a weight
-    of layout ``spec`` (see the module docstring)."""
-    if m == 1 and spec is not None and INT8_GEMV and _is_plain4(spec):
+    of layout ``spec`` (``exact``: activations kept as they are; see the module
+    docstring)."""
+    if m == 1 and spec is not None and INT8_GEMV and not exact and _is_plain4(spec):
         return "gemv_i8"
     if m <= GEMV_MAX_M:
         return "gemv"
     return "mm" if m < DENSE_MIN_M else "dense"
 
 
+def gated_fusable(x: torch.Tensor, w: CudaGgmlWeight) -> bool:
+    """Whether ``linear(x, w, act=...)`` applies a gated activation itself for this
+    ``[.., 2K]`` input: one row on the ``gemv_i8`` path."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return rows == 1 and choose_path(1, w.spec, w.exact) == "gemv_i8"
+
+
 def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = None, *,
-           path: Optional[str] = None, config: Optional[tuple] = None) -> torch.Tensor:
+           path: Optional[str] = None, config: Optional[tuple] = None,
+           act: Optional[str] = None) -> torch.Tensor:
     """``x [.., K]`` (bf16 / fp16) -> ``x @ W^T (+ bias)`` ``[.., N]`` in x's dtype; any
     number of rows. ``path`` / ``config`` override ``choose_path`` and the tile plans (the
     benchmark's sweep); ``gemv`` takes at most 16 rows, ``gemv_i8`` one row of Q4_0 /
-    Q4_1 / Q4_K."""
-    _check_inputs(x, w, bias)
+    Q4_1 / Q4_K. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
+    output ``[.., 2K]`` and the product is with ``act(gate) * up``, applied by the kernel
+    (``gemv_i8`` only: ``gated_fusable``)."""
+    _check_inputs(x, w, bias, gated=act is not None)
     n, k = w.shape
-    x2 = x.reshape(-1, k)  # [M, K]
+    act_code = 0
+    if act is not None:
+        from cvllm.kernels.activation import ACTIVATIONS
+
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {list(ACTIVATIONS)}")
+        if not gated_fusable(x, w) or path not in (None, "gemv_i8"):
+            raise ValueError("a gated input needs one row on the gemv_i8 path")
+        act_code, k = ACTIVATIONS[act] + 1, 2 * k
+    x2 = x.reshape(-1, k)  # [M, K] (or [1, 2K] gated)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -394,12 +422,12 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     if m and n:
         if bias is not None and bias.stride(0) != 1:
             bias = bias.contiguous()
-        path = path or choose_path(m, w.spec)
+        path = path or choose_path(m, w.spec, w.exact)
         if path == "gemv_i8":
             if m != 1 or not _is_plain4(w.spec):
                 raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K; "
                                  f"got {m} rows of {w.ggml_type.name}")
-            _launch_gemv_i8(x2, w, bias, y, config)
+            _launch_gemv_i8(x2, w, bias, y, config, act_code)
         elif path == "gemv":
             if m > 16:
                 raise ValueError(f"the gemv path takes at most 16 rows; got {m}")
@@ -492,12 +520,16 @@ class CudaBackend(GgmlBackend):
         return supports(t) and dtype in _DTYPES
 
     def prepare(self, raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
-                batch_copy: bool = False) -> CudaGgmlWeight:
-        return prepare(raw, t)  # batched calls decode tiles on the fly: no copy
+                batch_copy: bool = False, exact: bool = False) -> CudaGgmlWeight:
+        return prepare(raw, t, exact)  # batched calls decode tiles on the fly: no copy
 
     def linear(self, x: torch.Tensor, w: CudaGgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return linear(x, w, bias)
+
+    def linear_gated(self, x: torch.Tensor, w: CudaGgmlWeight, act: str,
+                     bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return linear(x, w, bias, act=act) if gated_fusable(x, w) else None
 
     def embedding(self, w: CudaGgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return embedding(w, ids, dtype)

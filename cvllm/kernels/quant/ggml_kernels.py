@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from cvllm.kernels.activation import activate
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 from cvllm.kernels.quant.ggml_tiles import (field_shift, field_values, load_tile, tile_prep,
                                             tile_scales, tile_weights)
@@ -322,19 +323,34 @@ def _q8_byte(x, inv, SH: tl.constexpr):
 
 
 @triton.jit
-def _x_run(xo, F: tl.constexpr, xmask, EVEN_K: tl.constexpr):
-    """Field ``F``'s run of activations for every word, float32 (kept in L2: every
-    program reads x)."""
+def _x_load(ptrs, xmask, EVEN_K: tl.constexpr):
     if EVEN_K:
-        x = tl.load(xo + 4 * F, eviction_policy="evict_last")
+        x = tl.load(ptrs, eviction_policy="evict_last")
     else:
-        x = tl.load(xo + 4 * F, mask=xmask, other=0.0, eviction_policy="evict_last")
-    return x.to(tl.float32)
+        x = tl.load(ptrs, mask=xmask, other=0.0, eviction_policy="evict_last")
+    return x
+
+
+@triton.jit
+def _x_run(xo, F: tl.constexpr, xmask, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+    """Field ``F``'s run of activations for every word, float32 (kept in L2: every
+    program reads x). ``ACT`` (``kernels/activation.ACTIVATIONS`` code + 1; 0: none):
+    x is a ``[gate (K) | up (K)]`` row and the run is ``act(gate) * up``, with
+    ``kernels/activation.py``'s roundings (so the int8 rounding sees the values the
+    activation kernel would have written)."""
+    if ACT == 0:
+        out = _x_load(xo + 4 * F, xmask, EVEN_K).to(tl.float32)
+    else:
+        gate = _x_load(xo + 4 * F, xmask, EVEN_K)
+        up = _x_load(xo + K + 4 * F, xmask, EVEN_K).to(tl.float32)
+        act = activate(gate.to(tl.float32), ACT - 1)
+        out = (act.to(gate.dtype).to(tl.float32) * up).to(gate.dtype).to(tl.float32)
+    return out
 
 
 @triton.jit
 def _i8_step(lo, s, m, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, ACT: tl.constexpr):
     """``[BN, NSUB]``: each sub-block's ``s * sum(q x) + m * sum(x)`` for one K step, with
     the activations rounded to int8 per 32-element sub-block (absmax scale, as llama.cpp's
     q8_1) and the products summed by ``dp4a``: two masks, a shift and two dp4a for a
@@ -345,14 +361,14 @@ def _i8_step(lo, s, m, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
     j = tl.arange(0, NSUB * 4)
     xo = x_ptr + k0 + (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's run of each word
     xmask = k0 + (j // 4) * 32 < K
-    x0 = _x_run(xo, 0, xmask, EVEN_K)
-    x1 = _x_run(xo, 1, xmask, EVEN_K)
-    x2 = _x_run(xo, 2, xmask, EVEN_K)
-    x3 = _x_run(xo, 3, xmask, EVEN_K)
-    x4 = _x_run(xo, 4, xmask, EVEN_K)
-    x5 = _x_run(xo, 5, xmask, EVEN_K)
-    x6 = _x_run(xo, 6, xmask, EVEN_K)
-    x7 = _x_run(xo, 7, xmask, EVEN_K)
+    x0 = _x_run(xo, 0, xmask, K, EVEN_K, ACT)
+    x1 = _x_run(xo, 1, xmask, K, EVEN_K, ACT)
+    x2 = _x_run(xo, 2, xmask, K, EVEN_K, ACT)
+    x3 = _x_run(xo, 3, xmask, K, EVEN_K, ACT)
+    x4 = _x_run(xo, 4, xmask, K, EVEN_K, ACT)
+    x5 = _x_run(xo, 5, xmask, K, EVEN_K, ACT)
+    x6 = _x_run(xo, 6, xmask, K, EVEN_K, ACT)
+    x7 = _x_run(xo, 7, xmask, K, EVEN_K, ACT)
     a = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
                               tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
@@ -383,6 +399,7 @@ def ggml_gemv_i8_kernel(
     SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """``y[0, rows] = x[0] @ W[rows]^T (+ b)`` for one input row and the plain 4-bit types
     (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table): the
@@ -391,7 +408,8 @@ def ggml_gemv_i8_kernel(
     ``dp4a`` (``_i8_step``): about 2.7 instructions an element against the float path's
     6.4, so the kernel streams the weights instead of waiting on its own issue slots.
     ``WIDE``: 64-bit row offsets (a weight past 2**31 words); ``ASM``: dp4a in PTX (off
-    under the interpreter)."""
+    under the interpreter); ``ACT``: x is a gate_up row, the gated activation applied on
+    load (``_x_run``: one kernel fewer per MLP)."""
     BK: tl.constexpr = NSUB * 32
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
@@ -408,15 +426,15 @@ def ggml_gemv_i8_kernel(
         for k0 in range(BK, K, BK):
             n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K,
                                       s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
-            acc += _i8_step(lo, s, m, x_ptr, k0 - BK, K, NSUB, EVEN_K, ASM)
+            acc += _i8_step(lo, s, m, x_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT)
             lo, s, m = n_lo, n_s, n_m
-        acc += _i8_step(lo, s, m, x_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM)
+        acc += _i8_step(lo, s, m, x_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM, ACT)
     else:
-        acc = _i8_step(lo, s, m, x_ptr, 0, K, NSUB, EVEN_K, ASM)
+        acc = _i8_step(lo, s, m, x_ptr, 0, K, NSUB, EVEN_K, ASM, ACT)
         for k0 in range(BK, K, BK):
             lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo,
                                 s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
-            acc += _i8_step(lo, s, m, x_ptr, k0, K, NSUB, EVEN_K, ASM)
+            acc += _i8_step(lo, s, m, x_ptr, k0, K, NSUB, EVEN_K, ASM, ACT)
     y = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
