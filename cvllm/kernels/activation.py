@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_launch_dependents
+from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,6 +45,7 @@ def _act_and_mul_kernel(
 ):
     """Row ``pid0``, columns ``pid1 * BLOCK ..``: ``out = act(x[:, :I]) * x[:, I:]``."""
     if PDL:
+        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -79,5 +80,6 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x2, out.view(rows, inter), inter, x2.stride(0), inter,
         ACTIVATION=ACTIVATIONS[activation], BLOCK=block, PDL=pdl.enabled(x), num_warps=4,
+        **pdl.launch_args(x),
     )
     return out

@@ -18,9 +18,11 @@ completed.
 The attention kernels of a decode step are launched with PDL too, but wait first thing:
 the fused rotary + K/V-cache write (``kernels/rotary.rotary_write_kv``, after the QKV
 GEMV), the decode kernel after it and the split merge after that
-(``kernels/paged_attention.py``). They have nothing to load before their inputs, so
-what they gain is their launch: each one's programs are already resident when the
-kernel before it finishes.
+(``kernels/paged_attention.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
+gated activation (``kernels/activation.py``). They have nothing to load before their
+inputs, so what they gain is their launch: each one's programs are already resident
+when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms cost
+171 us of a 2,644 us graph replay when launched without it).
 
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
 kernel writes (weights, constants, step inputs copied in before the step's first kernel)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_launch_dependents
+from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 MAX_HIDDEN = 65536
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,6 +45,7 @@ def _rms_norm_kernel(
     with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
     may alias ``x``: every element is read before its own row is written."""
     if PDL:
+        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -135,6 +136,6 @@ def rms_norm(
             x2, r2, weight, o2, ro2, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block, PDL=pdl.enabled(x),
-            num_warps=min(max(block // 512, 1), 16),
+            num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
         )
     return out if residual is None else (out, residual_out)
