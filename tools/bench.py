@@ -527,7 +527,9 @@ def run_tp_section(args: argparse.Namespace, rep: Report, model_dir: Path,
         rep.save()
 
     try:
-        save(bench_tp.measure(sizes, model_dir, bench_tp.parse_args([]), save))
+        isq = engine_options(args).get("isq")  # --engine-opt isq=...: the same at every size
+        tp_args = bench_tp.parse_args(["--isq", str(isq)] if isq else [])
+        save(bench_tp.measure(sizes, model_dir, tp_args, save))
     except Exception as e:
         rep.error("tensor parallel", e)
 

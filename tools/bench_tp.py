@@ -16,6 +16,13 @@ chooses) on an 8B Llama-3.1-shaped folder (or ``--config``) with random weights
 Prompts are random token ids, outputs a fixed length (ignore_eos). It reports each figure
 and the speed-ups over TP=1 (``speedup_batch1``, ``scaling_batch64``) in one JSON.
 HTTP streaming is in every figure alike, so the ratios compare the engines.
+
+``--isq q4k`` (or any ``--isq`` type) quantizes the weights while loading, at every TP
+size alike. Each server also answers ``--agree-prompts`` fixed token-id prompts greedily
+(``--agree-tokens`` tokens, the top 5 log-probabilities of each), and every run is
+compared with TP=1's (``agreement``): identical, or at the first divergence each side's
+token in the other's top 5, with both sides' log-probabilities of the two tokens there
+(the measured reason: a near tie that the ranks' different summation order can flip).
 """
 
 from __future__ import annotations
@@ -62,11 +69,68 @@ def serving(url: str, out: Path, concurrency: int, num: int, args) -> Dict[str, 
     return json.loads(out.read_text())
 
 
+def agreement_prompts(n: int, vocab: int, length: int = 24, seed: int = 7
+                      ) -> List[List[int]]:
+    """``n`` fixed token-id prompts below ``vocab`` (the same at every TP size)."""
+    import random
+
+    rng = random.Random(seed)
+    hi = max(2, min(30000, vocab))
+    return [[rng.randrange(min(100, hi - 1), hi) for _ in range(length)] for _ in range(n)]
+
+
+def greedy_outputs(url: str, prompts: List[List[int]], tokens: int) -> List[Dict[str, Any]]:
+    """Each prompt's greedy completion through ``/v1/completions``: its tokens and, for
+    each, the top-5 log-probabilities (token text -> logprob)."""
+    out = []
+    for p in prompts:
+        body = {"prompt": p, "max_tokens": tokens, "temperature": 0.0, "logprobs": 5,
+                "ignore_eos": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            lp = json.loads(r.read())["choices"][0]["logprobs"]
+        out.append({"tokens": lp["tokens"], "top": lp["top_logprobs"]})
+    return out
+
+
+def compare_greedy(base: List[Dict[str, Any]], other: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """``other``'s greedy outputs against ``base``'s, prompt by prompt: identical, diverged
+    between tokens in each other's top 5 (with both log-probabilities of both tokens at
+    the first divergence), or a problem (a token outside the other's top 5, lengths)."""
+    res: Dict[str, Any] = {"prompts": len(base), "identical": 0, "diverged_in_top5": 0,
+                           "problems": [], "divergences": []}
+    for i, (a, b) in enumerate(zip(base, other)):
+        at = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
+                  None)
+        if at is None:
+            if len(a["tokens"]) == len(b["tokens"]):
+                res["identical"] += 1
+            else:
+                res["problems"].append(f"prompt {i}: lengths {len(a['tokens'])} vs "
+                                       f"{len(b['tokens'])}")
+            continue
+        x, y = a["tokens"][at], b["tokens"][at]
+        ta, tb = a["top"][at], b["top"][at]
+        res["divergences"].append({"prompt": i, "position": at, "base_token": x,
+                                   "other_token": y, "base_logprobs": [ta.get(x), ta.get(y)],
+                                   "other_logprobs": [tb.get(x), tb.get(y)]})
+        if y in ta and x in tb:
+            res["diverged_in_top5"] += 1
+        else:
+            res["problems"].append(f"prompt {i}, token {at}: {x!r} vs {y!r}, not in each "
+                                   "other's top 5")
+    if len(other) != len(base):
+        res["problems"].append(f"{len(other)} outputs against {len(base)}")
+    res["agrees"] = not res["problems"]
+    return res
+
+
 def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]:
     devices = ",".join(str(i) for i in range(tp))
     cmd = [sys.executable, "-m", "cvllm", "serve", "--w", str(folder), "--load-format", "dummy",
            "--d", devices, "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", "64"]
+           "--max-num-seqs", "64"] + (["--isq", args.isq] if args.isq else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", CVLLM_NO_PROGRESS="1")
     log = open(work / f"serve-tp{tp}.log", "w")
     t0 = time.monotonic()
@@ -86,6 +150,10 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
             res["batch64_tpot_ms"] = b64["tpot_ms"]
             res["all_full_length"] = res["all_full_length"] and b64["all_full_length"]
             res["failed"] += b64["failed"]
+        if args.agree_prompts:
+            vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+            res["greedy"] = greedy_outputs(url, agreement_prompts(args.agree_prompts, vocab),
+                                           args.agree_tokens)
         log.flush()
         res["allreduce"] = sorted({line.split("all-reduce:", 1)[1].strip() for line in
                                    (work / f"serve-tp{tp}.log").read_text().splitlines()
@@ -120,6 +188,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--port", type=int, default=8431)
+    ap.add_argument("--isq", default=None,
+                    help="quantize the weights while loading (cvllm serve --isq), e.g. q4k")
+    ap.add_argument("--agree-prompts", type=int, default=8,
+                    help="greedy prompts compared with TP=1 (0 skips them)")
+    ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -148,6 +221,8 @@ def measure(tps: List[int], folder: Path, args: argparse.Namespace,
                 if "batch64_output_tokens_per_s" in r:
                     r["scaling_batch64"] = (r["batch64_output_tokens_per_s"]
                                             / base["batch64_output_tokens_per_s"])
+                if r is not base and "greedy" in base and "greedy" in r:
+                    r["agreement"] = compare_greedy(base["greedy"], r["greedy"])
     return runs
 
 
@@ -168,7 +243,8 @@ def main() -> int:
              if os.environ.get("CVLLM_ALLREDUCE") else []) + ["python"] + sys.argv),
         "device": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
         "model": ("Llama-3.1-8B shape" if not args.config else args.config)
-        + ", bf16, random weights", "config": cfg, "runs": []}
+        + ", bf16, random weights" + (f", quantized while loading (--isq {args.isq})"
+                                      if args.isq else ""), "config": cfg, "runs": []}
     out = Path(args.out)
 
     def save(runs):
@@ -176,9 +252,12 @@ def main() -> int:
         out.write_text(json.dumps(report, indent=1))
 
     save(measure([int(t) for t in args.tp.split(",")], folder, args, save))
-    print(json.dumps([{k: r.get(k) for k in ("tp", "batch1_tokens_per_s", "speedup_batch1",
-                                              "batch64_output_tokens_per_s", "scaling_batch64",
-                                              "error")} for r in report["runs"]], indent=1))
+    print(json.dumps([{k: (r.get(k) if k != "agreement" else
+                           {a: (r.get(k) or {}).get(a) for a in ("agrees", "identical",
+                                                                 "diverged_in_top5")})
+                       for k in ("tp", "batch1_tokens_per_s", "speedup_batch1",
+                                 "batch64_output_tokens_per_s", "scaling_batch64", "agreement",
+                                 "error")} for r in report["runs"]], indent=1))
     return 0
 
 

@@ -157,3 +157,17 @@ def test_plot_sweep_without_matplotlib_says_why(tmp_path, monkeypatch):
     why = bench_serving.plot_sweep({"levels": [{"concurrency": 1, "completed": 1}]},
                                    tmp_path / "x.png")
     assert "matplotlib is not installed" in why and not (tmp_path / "x.png").exists()
+
+
+def test_bench_tp_greedy_outputs_through_the_server(server):
+    """tools/bench_tp.py's agreement probe: greedy completions of token-id prompts with
+    their top-5 log-probabilities, the same twice (greedy is deterministic), compared."""
+    import bench_tp
+
+    prompts = bench_tp.agreement_prompts(3, vocab=bm.build_config(tiny=True)["vocab_size"])
+    first = bench_tp.greedy_outputs(server, prompts, 6)
+    assert len(first) == 3 and all(len(o["tokens"]) == 6 for o in first)
+    assert all(len(top) >= 1 and o["tokens"][i] in top
+               for o in first for i, top in enumerate(o["top"]))
+    res = bench_tp.compare_greedy(first, bench_tp.greedy_outputs(server, prompts, 6))
+    assert res["agrees"] and res["identical"] == 3, res
