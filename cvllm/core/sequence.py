@@ -166,6 +166,12 @@ class Sequence:
     def confirmed_output_token_ids(self) -> List[int]:
         return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending_tokens]
 
+    def confirmed_output_token_ids_from(self, start: int) -> List[int]:
+        """``confirmed_output_token_ids[start:]`` without copying the first ``start``
+        (the engine takes each step's new ids: O(new tokens), not O(output))."""
+        return self.token_ids[self.num_prompt_tokens + start:
+                              len(self.token_ids) - self.num_pending_tokens]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         """Known tokens whose KV is not in the cache yet."""

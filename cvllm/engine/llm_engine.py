@@ -273,26 +273,28 @@ class LLMEngine:
 
     def _advance_request(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        new_ids = seq.confirmed_output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_tokens = seq.num_confirmed_output_tokens
+        new_ids = seq.confirmed_output_token_ids_from(req.num_emitted_tokens)  # a fresh list
+        req.num_emitted_tokens += len(new_ids)
+        finished = seq.is_finished()
         text_ids = new_ids
-        if seq.is_finished() and isinstance(seq.stop_reason, int):
+        if finished and isinstance(seq.stop_reason, int):
             text_ids = new_ids[:-1]  # EOS / stop token: counted in usage, never shown as text
         if new_ids and req.timed:
             self._observe_tokens(req)
         res = req.detok.push(text_ids)
         delta = res.delta_text
-        if res.stop_hit is not None and not seq.is_finished():
+        if res.stop_hit is not None and not finished:
             self.scheduler.finish(seq.seq_id, "stop", res.stop_hit)
-        if seq.is_finished():
+            finished = seq.is_finished()
+        if finished:
             if res.stop_hit is None:
                 delta += req.detok.flush()
             self._retire(req)
         logprobs, req.pending_logprobs = req.pending_logprobs, []
         return RequestOutput(
-            request_id=seq.request_id, delta_text=delta, delta_token_ids=list(new_ids),
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_confirmed_output_tokens,
-            finished=seq.is_finished(), finish_reason=seq.finish_reason,
+            request_id=seq.request_id, delta_text=delta, delta_token_ids=new_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=req.num_emitted_tokens,
+            finished=finished, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=logprobs,
             num_cached_tokens=seq.num_cached_tokens,
         )

@@ -392,6 +392,8 @@ def test_overlapped_schedule_placeholders_deferred_free_and_starvation():
     # b's max_tokens=2: its step-N+1 token is its last, so N+2 must not schedule it
     sched.update(n1, {0: 50, 1: 60})
     assert a.token_ids[-2:] == [50, -1] and a.confirmed_output_token_ids == [50]
+    assert a.confirmed_output_token_ids_from(0) == [50]  # the engine's per-step slice
+    assert a.confirmed_output_token_ids_from(1) == [] == a.confirmed_output_token_ids_from(5)
     n3 = sched.schedule()
     assert [e.seq for e in n3.scheduled] == [a]
     # abort a while two steps use it: its blocks come back after the last of them
