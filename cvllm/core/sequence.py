@@ -164,7 +164,7 @@ class Sequence:
 
     @property
     def confirmed_output_token_ids(self) -> List[int]:
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending_tokens]
+        return self.confirmed_output_token_ids_from(0)
 
     def confirmed_output_token_ids_from(self, start: int) -> List[int]:
         """``confirmed_output_token_ids[start:]`` without copying the first ``start``
