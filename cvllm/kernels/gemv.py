@@ -83,7 +83,7 @@ def _load_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_act_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+def load_act_x(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """``act(gate) * up`` at ``k0 ..`` from a ``[gate (K) | up (K)]`` row, with
     ``kernels/activation.py``'s roundings (ACT: its activation code + 1; 0: plain x)."""
     if ACT == 0:
@@ -110,7 +110,7 @@ def _gemv_kernel(
     """Rows ``pid * BLOCK_N ..`` of ``y = W @ x (+ b)``; ``W [N, K]`` row-major. With PDL
     the first weight tile is loaded before waiting for the kernel that writes x, and
     the kernel after this one may launch once every program has passed that wait. ACT:
-    x is a gate_up row, see ``_load_act_x``. PUSH: the rows go to the custom
+    x is a gate_up row, see ``load_act_x``. PUSH: the rows go to the custom
     all-reduce's buffers (``kernels/allreduce.push_slot``), not to ``y``."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,11 +121,11 @@ def _gemv_kernel(
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
         gdc_launch_dependents()  # only now: see kernels/allreduce.py (pushed calls)
-    acc = w.to(tl.float32) * _load_act_x(x_ptr, 0, offs_k, K, EVEN_K, ACT)[None, :]
+    acc = w.to(tl.float32) * load_act_x(x_ptr, 0, offs_k, K, EVEN_K, ACT)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_w(w_ptrs, k0, offs_k, nmask, K, EVEN_N, EVEN_K)
-        acc += w.to(tl.float32) * _load_act_x(x_ptr, k0, offs_k, K, EVEN_K, ACT)[None, :]
+        acc += w.to(tl.float32) * load_act_x(x_ptr, k0, offs_k, K, EVEN_K, ACT)[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)

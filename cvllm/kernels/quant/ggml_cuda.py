@@ -78,6 +78,19 @@ MAX_K = 1 << 20
 INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
 """Batch-1 products of Q4_0 / Q4_1 / Q4_K round the activations to int8 (``gemv_i8``);
 ``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read once."""
+PREQUANT_X = os.environ.get("CVLLM_GGML_Q8_X", "gated").strip().lower()
+"""Which ``gemv_i8`` inputs are rounded to int8 by a kernel of their own
+(``ggml_kernels.ggml_q8_kernel``) before the GEMV, instead of by every GEMV program:
+``gated`` (default: a gate_up row, whose activation that kernel then applies once), ``all``
+or ``0``; the same bits either way. H100, Q4_K, 8B shapes, one graph per figure (launch
+gaps included): the down projection with its activation 20.4 us rounded in the GEMV,
+17.0 us rounded first (8-row programs, 2048-element steps); a plain row gains nothing
+from the extra kernel (qkv 7.6 -> 8.0, o_proj 5.0 -> 6.4, gate_up 29.8 -> 28.7 us)."""
+if PREQUANT_X not in ("gated", "all", "0"):
+    raise ValueError(f"CVLLM_GGML_Q8_X must be gated, all or 0; got {PREQUANT_X!r}")
+Q8_NSUB = 32
+"""Sub-blocks (of 32 elements) a ``ggml_q8_kernel`` program rounds: one word of eight
+elements a thread at 4 warps."""
 _MAGIC = 0x4B000000
 """The exponent bits of ``2**23``, passed as a run-time argument: a literal would let ptxas
 put it in LOP3's immediate slot and re-create the per-field mask before every LOP3."""
@@ -320,36 +333,62 @@ def _is_plain4(spec: PackSpec) -> bool:
         and spec.mode in (0, 1, 3)
 
 
-def plan_gemv_i8(n: int, k: int, num_sms: int) -> Tuple[int, int, int, bool]:
+def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False
+                 ) -> Tuple[int, int, int, bool]:
     """``(BN, BK, num_warps, prefetch)`` of ``ggml_gemv_i8_kernel``. The H100 sweep
     (Q4_K, 8B shapes; 13 configs): 16 rows and 2048-element K steps where 16-row programs
     fill the SMs eight times over (gate_up, N = 28672: 26.8 us against 29.3 for 8 rows),
     8 rows and 2048 where they fill them two to eight times (qkv, N = 6144: 7.6 against
     8.9), else 16 rows and 4096 (o_proj and down, N = 4096: 4.8 / 17.5 us against 6.4 /
-    19.0 for the next best); 4 warps each."""
+    19.0 for the next best); 4 warps each. With x rounded beforehand (``prequant``) a
+    program's step is lighter and more, smaller programs hide the loads better: 8 rows
+    and 2048 were best or within 2% at every shape (down 17.0 us against 20.1 for 16 and
+    4096)."""
     programs = triton.cdiv(n, 16)
-    if programs >= 8 * num_sms:
-        bn, bk = 16, 2048
-    elif programs > 2 * num_sms:
+    if prequant or programs > 2 * num_sms and programs < 8 * num_sms:
         bn, bk = 8, 2048
+    elif programs >= 8 * num_sms:
+        bn, bk = 16, 2048
     else:
         bn, bk = 16, 4096
     bk = max(32, min(bk, triton.next_power_of_2(k)))
     return bn, bk, 4, False
 
 
+def _prequant(act: int) -> bool:
+    return PREQUANT_X == "all" or (PREQUANT_X == "gated" and act != 0)
+
+
+def quantize_q8(x2: torch.Tensor, k: int, act: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One row ``x2 [1, K]`` (``[1, 2K]`` gate_up with ``act``) in ``ggml_gemv_i8_kernel``'s
+    int8 form: words ``[2, K / 8]`` int32 and steps ``[2, K / 32]`` float32
+    (``ggml_kernels.ggml_q8_kernel``; K a multiple of 32)."""
+    words = torch.empty(2, k // 8, dtype=torch.int32, device=x2.device)
+    steps = torch.empty(2, k // 32, dtype=torch.float32, device=x2.device)
+    gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
+        x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
+        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), num_warps=4,
+        **pdl.launch_args(x2))
+    return words, steps
+
+
 def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
-                    config, act: int = 0) -> None:
+                    config, act: int = 0, prequant: Optional[bool] = None) -> None:
     n, k = w.shape
-    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2))
+    prequant = _prequant(act) if prequant is None else prequant
+    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2), prequant)
     (lo, _hi, d, dm, sc, mn), (s_lo, s_sub, s_d) = w.args
     spec = w.spec
+    xq, xs = x2, x2
+    if prequant:
+        xq, xs = quantize_q8(x2, k, act)
+        act = 0
     gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn),)](
-        x2, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub, s_d,
-        SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
+        xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub,
+        s_d, SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
         PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,
-        num_warps=warps, **pdl.launch_args(x2))
+        XQ=xq is not x2, num_warps=warps, **pdl.launch_args(x2))
 
 
 def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
@@ -396,13 +435,14 @@ def gated_fusable(x: torch.Tensor, w: CudaGgmlWeight) -> bool:
 
 def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = None, *,
            path: Optional[str] = None, config: Optional[tuple] = None,
-           act: Optional[str] = None) -> torch.Tensor:
+           act: Optional[str] = None, prequant: Optional[bool] = None) -> torch.Tensor:
     """``x [.., K]`` (bf16 / fp16) -> ``x @ W^T (+ bias)`` ``[.., N]`` in x's dtype; any
     number of rows. ``path`` / ``config`` override ``choose_path`` and the tile plans (the
     benchmark's sweep); ``gemv`` takes at most 16 rows, ``gemv_i8`` one row of Q4_0 /
     Q4_1 / Q4_K. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
     output ``[.., 2K]`` and the product is with ``act(gate) * up``, applied by the kernel
-    (``gemv_i8`` only: ``gated_fusable``)."""
+    (``gemv_i8`` only: ``gated_fusable``). ``prequant``: on ``gemv_i8``, round x in its own
+    kernel first (default: ``PREQUANT_X``'s choice)."""
     _check_inputs(x, w, bias, gated=act is not None)
     n, k = w.shape
     act_code = 0
@@ -427,7 +467,7 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
             if m != 1 or not _is_plain4(w.spec):
                 raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K; "
                                  f"got {m} rows of {w.ggml_type.name}")
-            _launch_gemv_i8(x2, w, bias, y, config, act_code)
+            _launch_gemv_i8(x2, w, bias, y, config, act_code, prequant)
         elif path == "gemv":
             if m > 16:
                 raise ValueError(f"the gemv path takes at most 16 rows; got {m}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cvllm.kernels.activation import activate
+from cvllm.kernels.gemv import load_act_x
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 from cvllm.kernels.quant.ggml_tiles import (field_shift, field_values, load_tile, tile_prep,
                                             tile_scales, tile_weights)
@@ -323,52 +323,15 @@ def _q8_byte(x, inv, SH: tl.constexpr):
 
 
 @triton.jit
-def _x_load(ptrs, xmask, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        x = tl.load(ptrs, eviction_policy="evict_last")
-    else:
-        x = tl.load(ptrs, mask=xmask, other=0.0, eviction_policy="evict_last")
-    return x
-
-
-@triton.jit
-def _x_run(xo, F: tl.constexpr, xmask, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
-    """Field ``F``'s run of activations for every word, float32 (kept in L2: every
-    program reads x). ``ACT`` (``kernels/activation.ACTIVATIONS`` code + 1; 0: none):
-    x is a ``[gate (K) | up (K)]`` row and the run is ``act(gate) * up``, with
-    ``kernels/activation.py``'s roundings (so the int8 rounding sees the values the
-    activation kernel would have written)."""
-    if ACT == 0:
-        out = _x_load(xo + 4 * F, xmask, EVEN_K).to(tl.float32)
-    else:
-        gate = _x_load(xo + 4 * F, xmask, EVEN_K)
-        up = _x_load(xo + K + 4 * F, xmask, EVEN_K).to(tl.float32)
-        act = activate(gate.to(tl.float32), ACT - 1)
-        out = (act.to(gate.dtype).to(tl.float32) * up).to(gate.dtype).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _i8_step(lo, s, m, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-             ASM: tl.constexpr, ACT: tl.constexpr):
-    """``[BN, NSUB]``: each sub-block's ``s * sum(q x) + m * sum(x)`` for one K step, with
-    the activations rounded to int8 per 32-element sub-block (absmax scale, as llama.cpp's
-    q8_1) and the products summed by ``dp4a``: two masks, a shift and two dp4a for a
-    word's eight elements. The ``m * sum(x)`` term sums the same rounded activations, so
-    the result is exactly the product with the rounded x (an error in proportion to the
-    weights, not to ``q`` and ``m`` apart, which cancel)."""
-    BN: tl.constexpr = lo.shape[0]
-    j = tl.arange(0, NSUB * 4)
-    xo = x_ptr + k0 + (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's run of each word
-    xmask = k0 + (j // 4) * 32 < K
-    x0 = _x_run(xo, 0, xmask, K, EVEN_K, ACT)
-    x1 = _x_run(xo, 1, xmask, K, EVEN_K, ACT)
-    x2 = _x_run(xo, 2, xmask, K, EVEN_K, ACT)
-    x3 = _x_run(xo, 3, xmask, K, EVEN_K, ACT)
-    x4 = _x_run(xo, 4, xmask, K, EVEN_K, ACT)
-    x5 = _x_run(xo, 5, xmask, K, EVEN_K, ACT)
-    x6 = _x_run(xo, 6, xmask, K, EVEN_K, ACT)
-    x7 = _x_run(xo, 7, xmask, K, EVEN_K, ACT)
+def _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB: tl.constexpr, ASM: tl.constexpr):
+    """The int8 form of ``NSUB`` 32-element sub-blocks, given as the eight field runs
+    ``x0 .. x7`` (float32 ``[NSUB * 4]``: run ``F`` of word ``j`` is the element at
+    ``(j // 4) * 32 + j % 4 + 4 * F``): each sub-block rounded to int8 by its absmax
+    (``127 / amax``, as llama.cpp's q8_1), packed to match the weight words (a word's
+    even fields, the bytes of ``lo & 0x0F0F0F0F``, pair with runs 0, 2, 4, 6: ``xe``; its
+    odd fields with runs 1, 3, 5, 7: ``xd``), with each sub-block's step ``dx = amax /
+    127`` and ``sx = dx * sum(int8 x)``. One definition for ``ggml_q8_kernel`` and the
+    GEMV's own rounding, so both give the same bits."""
     a = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
                               tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
@@ -376,30 +339,108 @@ def _i8_step(lo, s, m, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
     amax = tl.max(tl.reshape(a, (NSUB, 4)), axis=1)  # [NSUB] each sub-block's largest |x|
     inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)  # [NSUB]
     inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 4)), (NSUB * 4,))
-    # A word's even fields (bytes of lo & 0x0F0F0F0F) pair with x runs 0, 2, 4, 6, its odd
-    # fields ((lo >> 4) & 0x0F0F0F0F) with runs 1, 3, 5, 7: pack the int8 x to match.
     xe = _q8_byte(x0, inv, 0) | _q8_byte(x2, inv, 8) | _q8_byte(x4, inv, 16) \
         | _q8_byte(x6, inv, 24)
     xd = _q8_byte(x1, inv, 0) | _q8_byte(x3, inv, 8) | _q8_byte(x5, inv, 16) \
         | _q8_byte(x7, inv, 24)
-    acc = _dp4a(lo & 0x0F0F0F0F, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
-    acc = _dp4a((lo >> 4) & 0x0F0F0F0F, xd[None, :], acc, ASM)
-    isum = tl.sum(tl.reshape(acc, (BN, NSUB, 4)), axis=2)  # [BN, NSUB]
     ones = tl.full(xe.shape, 0x01010101, tl.int32)
     xq = _dp4a(ones, xd, _dp4a(ones, xe, tl.zeros(xe.shape, tl.int32), ASM), ASM)
     xsum = tl.sum(tl.reshape(xq, (NSUB, 4)), axis=1)  # [NSUB] sum of the int8 x
     dx = amax * (1.0 / 127.0)
-    return isum.to(tl.float32) * (s * dx[None, :]) + (xsum.to(tl.float32) * dx)[None, :] * m
+    return xe, xd, dx, xsum.to(tl.float32) * dx
+
+
+@triton.jit
+def _q8_runs(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+             ASM: tl.constexpr):
+    """``_q8_words`` of the ``NSUB`` sub-blocks of x from ``k0`` (masked past ``K``: those
+    round to zero). ``ACT`` (``kernels/activation.ACTIVATIONS`` code + 1; 0: none): x is a
+    ``[gate (K) | up (K)]`` row and the values are ``act(gate) * up`` with
+    ``kernels/activation.py``'s roundings (``kernels/gemv.load_act_x``), so the int8
+    rounding sees what the activation kernel would have written."""
+    j = tl.arange(0, NSUB * 4)
+    offs = (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's element of each word
+    x0 = load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT)
+    x1 = load_act_x(x_ptr, k0, offs + 4, K, EVEN_K, ACT)
+    x2 = load_act_x(x_ptr, k0, offs + 8, K, EVEN_K, ACT)
+    x3 = load_act_x(x_ptr, k0, offs + 12, K, EVEN_K, ACT)
+    x4 = load_act_x(x_ptr, k0, offs + 16, K, EVEN_K, ACT)
+    x5 = load_act_x(x_ptr, k0, offs + 20, K, EVEN_K, ACT)
+    x6 = load_act_x(x_ptr, k0, offs + 24, K, EVEN_K, ACT)
+    x7 = load_act_x(x_ptr, k0, offs + 28, K, EVEN_K, ACT)
+    return _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB, ASM)
+
+
+@triton.jit
+def _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+             ASM: tl.constexpr, ACT: tl.constexpr, XQ: tl.constexpr):
+    """``[BN, NSUB]``: each sub-block's ``s * sum(q x) + m * sum(x)`` for one K step, with
+    the activations in int8 per 32-element sub-block (``_q8_words``) and the products
+    summed by ``dp4a``: two masks, a shift and two dp4a for a word's eight elements. The
+    ``m * sum(x)`` term sums the same rounded activations, so the result is exactly the
+    product with the rounded x (an error in proportion to the weights, not to ``q`` and
+    ``m`` apart, which cancel). ``XQ``: x is already in that form (``ggml_q8_kernel``'s
+    words at ``x_ptr``, steps at ``xs_ptr``); else this program rounds it."""
+    BN: tl.constexpr = lo.shape[0]
+    if XQ:
+        j = k0 // 8 + tl.arange(0, NSUB * 4)  # [NSUB * 4] word index
+        sub = k0 // 32 + tl.arange(0, NSUB)  # [NSUB]
+        if EVEN_K:
+            xe = tl.load(x_ptr + j, eviction_policy="evict_last")
+            xd = tl.load(x_ptr + K // 8 + j, eviction_policy="evict_last")
+            dx = tl.load(xs_ptr + sub, eviction_policy="evict_last")
+            sx = tl.load(xs_ptr + K // 32 + sub, eviction_policy="evict_last")
+        else:
+            xe = tl.load(x_ptr + j, mask=j < K // 8, other=0, eviction_policy="evict_last")
+            xd = tl.load(x_ptr + K // 8 + j, mask=j < K // 8, other=0,
+                         eviction_policy="evict_last")
+            dx = tl.load(xs_ptr + sub, mask=sub < K // 32, other=0.0,
+                         eviction_policy="evict_last")
+            sx = tl.load(xs_ptr + K // 32 + sub, mask=sub < K // 32, other=0.0,
+                         eviction_policy="evict_last")
+    else:
+        xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
+    acc = _dp4a(lo & 0x0F0F0F0F, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
+    acc = _dp4a((lo >> 4) & 0x0F0F0F0F, xd[None, :], acc, ASM)
+    isum = tl.sum(tl.reshape(acc, (BN, NSUB, 4)), axis=2)  # [BN, NSUB]
+    return isum.to(tl.float32) * (s * dx[None, :]) + sx[None, :] * m
+
+
+@triton.jit
+def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+                   ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+    """One row of activations (``[K]``, or a ``[gate | up]`` row of ``2K`` with ``ACT``)
+    in the int8 form ``ggml_gemv_i8_kernel`` reads with ``XQ``: words ``q [2, K / 8]``
+    int32 (``xe`` then ``xd``) and float32 ``s [2, K / 32]`` (``dx`` then ``sx``), for
+    ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
+    program."""
+    k0 = tl.program_id(0) * NSUB * 32
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
+    xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
+    j = k0 // 8 + tl.arange(0, NSUB * 4)
+    sub = k0 // 32 + tl.arange(0, NSUB)
+    if EVEN_K:
+        tl.store(q_ptr + j, xe)
+        tl.store(q_ptr + K // 8 + j, xd)
+        tl.store(s_ptr + sub, dx)
+        tl.store(s_ptr + K // 32 + sub, sx)
+    else:
+        tl.store(q_ptr + j, xe, mask=j < K // 8)
+        tl.store(q_ptr + K // 8 + j, xd, mask=j < K // 8)
+        tl.store(s_ptr + sub, dx, mask=sub < K // 32)
+        tl.store(s_ptr + K // 32 + sub, sx, mask=sub < K // 32)
 
 
 @triton.jit
 def ggml_gemv_i8_kernel(
-    x_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    x_ptr, xs_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
     N, K, s_lo, s_sub, s_d,
     SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, XQ: tl.constexpr,
 ):
     """``y[0, rows] = x[0] @ W[rows]^T (+ b)`` for one input row and the plain 4-bit types
     (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table): the
@@ -409,7 +450,8 @@ def ggml_gemv_i8_kernel(
     6.4, so the kernel streams the weights instead of waiting on its own issue slots.
     ``WIDE``: 64-bit row offsets (a weight past 2**31 words); ``ASM``: dp4a in PTX (off
     under the interpreter); ``ACT``: x is a gate_up row, the gated activation applied on
-    load (``_x_run``: one kernel fewer per MLP)."""
+    load (``_q8_runs``); ``XQ``: x arrives rounded (``ggml_q8_kernel``: words at ``x_ptr``,
+    steps at ``xs_ptr``), so no program repeats that work."""
     BK: tl.constexpr = NSUB * 32
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
@@ -426,15 +468,17 @@ def ggml_gemv_i8_kernel(
         for k0 in range(BK, K, BK):
             n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K,
                                       s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
-            acc += _i8_step(lo, s, m, x_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT)
+            acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT,
+                            XQ)
             lo, s, m = n_lo, n_s, n_m
-        acc += _i8_step(lo, s, m, x_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM, ACT)
+        acc += _i8_step(lo, s, m, x_ptr, xs_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM,
+                        ACT, XQ)
     else:
-        acc = _i8_step(lo, s, m, x_ptr, 0, K, NSUB, EVEN_K, ASM, ACT)
+        acc = _i8_step(lo, s, m, x_ptr, xs_ptr, 0, K, NSUB, EVEN_K, ASM, ACT, XQ)
         for k0 in range(BK, K, BK):
             lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo,
                                 s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
-            acc += _i8_step(lo, s, m, x_ptr, k0, K, NSUB, EVEN_K, ASM, ACT)
+            acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ)
     y = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
