@@ -528,8 +528,10 @@ def run_tp_section(args: argparse.Namespace, rep: Report, model_dir: Path,
 
     try:
         isq = engine_options(args).get("isq")  # --engine-opt isq=...: the same at every size
-        tp_args = bench_tp.parse_args(["--isq", str(isq)] if isq else [])
-        save(bench_tp.measure(sizes, model_dir, tp_args, save))
+        tp_args = bench_tp.parse_args((["--isq", str(isq)] if isq else [])
+                                      + ["--model-dir", str(model_dir)])
+        folder = bench_tp.prepare_folder({}, tp_args)  # + seeded weights: one model at every size
+        save(bench_tp.measure(sizes, folder, tp_args, save))
     except Exception as e:
         rep.error("tensor parallel", e)
 

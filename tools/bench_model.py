@@ -119,6 +119,64 @@ def write_model_folder(folder: Path, cfg: Dict[str, Any]) -> Path:
     return folder
 
 
+def write_random_weights(folder: Path, seed: int = 0, std: float = 0.02,
+                         shard_bytes: int = 2 << 30) -> Path:
+    """Random weights for the folder's config.json as safetensors shards (bf16, or the
+    config's ``torch_dtype`` when float32): norm weights 1, biases 0, every other tensor
+    N(0, std), each from its own generator seeded by ``(seed, its name)``. Unlike
+    ``--load-format dummy`` (each rank draws its own shard, so TP sizes load different
+    models), every tensor parallel size then loads the same model through the real
+    loader, which is what comparing their outputs needs. Names and shapes come from
+    transformers' own model of the config, built on the meta device (no memory); tensors
+    are drawn on the GPU when there is one."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dtype = torch.float32 if getattr(config, "torch_dtype", None) == torch.float32 \
+        else torch.bfloat16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the loader ties it to the embedding
+    shard: Dict[str, Any] = {}
+    size, index, files = 0, {}, []
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            files.append(name)
+            index.update({k: name for k in shard})
+        shard, size = {}, 0
+
+    for name, shape in shapes.items():
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:7], "little"))
+        if name.endswith("norm.weight") or "layernorm" in name or "_norm." in name:
+            t = torch.ones(shape, dtype=dtype)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape, dtype=dtype)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device) * std).to(dtype).cpu()
+        shard[name] = t.contiguous()
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    total = sum((folder / f).stat().st_size for f in files)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    return folder
+
+
 # ---------------------------------------------------------------- arithmetic
 def _is_embedding(name: str) -> bool:
     return "embed_tokens" in name or name.endswith("wte.weight") or "embeddings" in name

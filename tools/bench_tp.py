@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,11 +61,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the server was not ready within {timeout:.0f}s")
 
 
-def serving(url: str, out: Path, concurrency: int, num: int, args) -> Dict[str, Any]:
+def serving(url: str, out: Path, concurrency: int, num: int, args, vocab: int
+            ) -> Dict[str, Any]:
     cmd = [sys.executable, str(TOOLS / "bench_serving.py"), "--base-url", url,
            "--concurrency", str(concurrency), "--num-requests", str(num),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--token-range", "100,120000", "--out", str(out), "--timeout", "240"]
+           "--token-range", f"{min(100, vocab // 2)},{min(vocab, 120000) - 1}",
+           "--out", str(out), "--timeout", "240"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=300)
     return json.loads(out.read_text())
 
@@ -79,12 +82,13 @@ def agreement_prompts(n: int, vocab: int, length: int = 24, seed: int = 7
     return [[rng.randrange(min(100, hi - 1), hi) for _ in range(length)] for _ in range(n)]
 
 
-def greedy_outputs(url: str, prompts: List[List[int]], tokens: int) -> List[Dict[str, Any]]:
+def greedy_outputs(url: str, prompts: List[List[int]], tokens: int, top: int = 20
+                   ) -> List[Dict[str, Any]]:
     """Each prompt's greedy completion through ``/v1/completions``: its tokens and, for
-    each, the top-5 log-probabilities (token text -> logprob)."""
+    each, the ``top`` most likely tokens' log-probabilities (token text -> logprob)."""
     out = []
     for p in prompts:
-        body = {"prompt": p, "max_tokens": tokens, "temperature": 0.0, "logprobs": 5,
+        body = {"prompt": p, "max_tokens": tokens, "temperature": 0.0, "logprobs": top,
                 "ignore_eos": True}
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -94,10 +98,22 @@ def greedy_outputs(url: str, prompts: List[List[int]], tokens: int) -> List[Dict
     return out
 
 
-def compare_greedy(base: List[Dict[str, Any]], other: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _standing(top: Dict[str, float], token: str) -> Dict[str, Any]:
+    """Where ``token`` stands in one position's top list: its rank (1 = the greedy
+    choice; None past the list) and how many nats below the best it is."""
+    order = sorted(top, key=lambda t: -top[t])
+    if token not in top:
+        return {"rank": None, "below_best": None}
+    return {"rank": order.index(token) + 1, "below_best": round(top[order[0]] - top[token], 4)}
+
+
+def compare_greedy(base: List[Dict[str, Any]], other: List[Dict[str, Any]],
+                   k: int = 5) -> Dict[str, Any]:
     """``other``'s greedy outputs against ``base``'s, prompt by prompt: identical, diverged
-    between tokens in each other's top 5 (with both log-probabilities of both tokens at
-    the first divergence), or a problem (a token outside the other's top 5, lengths)."""
+    between tokens in each other's top ``k``, or a problem (a token outside the other's
+    top ``k``, lengths). Each divergence keeps both sides' log-probabilities of both
+    tokens and each token's standing in the other side's list (rank, nats below its
+    best): the measured reason, e.g. a near tie."""
     res: Dict[str, Any] = {"prompts": len(base), "identical": 0, "diverged_in_top5": 0,
                            "problems": [], "divergences": []}
     for i, (a, b) in enumerate(zip(base, other)):
@@ -112,14 +128,19 @@ def compare_greedy(base: List[Dict[str, Any]], other: List[Dict[str, Any]]) -> D
             continue
         x, y = a["tokens"][at], b["tokens"][at]
         ta, tb = a["top"][at], b["top"][at]
+        in_base, in_other = _standing(ta, y), _standing(tb, x)
         res["divergences"].append({"prompt": i, "position": at, "base_token": x,
                                    "other_token": y, "base_logprobs": [ta.get(x), ta.get(y)],
-                                   "other_logprobs": [tb.get(x), tb.get(y)]})
-        if y in ta and x in tb:
+                                   "other_logprobs": [tb.get(x), tb.get(y)],
+                                   "other_token_in_base": in_base,
+                                   "base_token_in_other": in_other})
+        if all(s["rank"] is not None and s["rank"] <= k for s in (in_base, in_other)):
             res["diverged_in_top5"] += 1
         else:
-            res["problems"].append(f"prompt {i}, token {at}: {x!r} vs {y!r}, not in each "
-                                   "other's top 5")
+            res["problems"].append(
+                f"prompt {i}, token {at}: {x!r} vs {y!r}, not in each other's top {k} "
+                f"(ranks {in_other['rank']} / {in_base['rank']}, "
+                f"{in_other['below_best']} / {in_base['below_best']} nats below the best)")
     if len(other) != len(base):
         res["problems"].append(f"{len(other)} outputs against {len(base)}")
     res["agrees"] = not res["problems"]
@@ -128,9 +149,10 @@ def compare_greedy(base: List[Dict[str, Any]], other: List[Dict[str, Any]]) -> D
 
 def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]:
     devices = ",".join(str(i) for i in range(tp))
-    cmd = [sys.executable, "-m", "cvllm", "serve", "--w", str(folder), "--load-format", "dummy",
-           "--d", devices, "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", "64"] + (["--isq", args.isq] if args.isq else [])
+    cmd = [sys.executable, "-m", "cvllm", "serve", "--w", str(folder), "--load-format",
+           "dummy" if args.weights == "dummy" else "auto", "--d", devices, "--port", str(port), "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", "64"] + (["--isq", args.isq] if args.isq else []) \
+        + (["--cpu", "--mem", "64"] if args.cpu else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", CVLLM_NO_PROGRESS="1")
     log = open(work / f"serve-tp{tp}.log", "w")
     t0 = time.monotonic()
@@ -140,18 +162,19 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
     try:
         wait_healthy(url, proc, args.start_timeout)
         res: Dict[str, Any] = {"tp": tp, "startup_s": round(time.monotonic() - t0, 1)}
-        b1 = serving(url, work / f"b1-tp{tp}.json", 1, args.batch1_requests, args)
+        vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+        b1 = serving(url, work / f"b1-tp{tp}.json", 1, args.batch1_requests, args, vocab)
         res["batch1_tokens_per_s"] = 1000.0 / b1["tpot_ms"]["mean"]
         res["batch1_tpot_ms"] = b1["tpot_ms"]
         res["all_full_length"], res["failed"] = b1["all_full_length"], b1["failed"]
         if args.batch64_requests:
-            b64 = serving(url, work / f"b64-tp{tp}.json", 64, args.batch64_requests, args)
+            b64 = serving(url, work / f"b64-tp{tp}.json", 64, args.batch64_requests, args,
+                          vocab)
             res["batch64_output_tokens_per_s"] = b64["output_throughput"]
             res["batch64_tpot_ms"] = b64["tpot_ms"]
             res["all_full_length"] = res["all_full_length"] and b64["all_full_length"]
             res["failed"] += b64["failed"]
         if args.agree_prompts:
-            vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
             res["greedy"] = greedy_outputs(url, agreement_prompts(args.agree_prompts, vocab),
                                            args.agree_tokens)
         log.flush()
@@ -193,6 +216,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--agree-prompts", type=int, default=8,
                     help="greedy prompts compared with TP=1 (0 skips them)")
     ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--weights", choices=("random", "dummy"), default="random",
+                    help="random: seeded safetensors written once and loaded by every TP "
+                    "size (the same model, so the agreement means something); dummy: "
+                    "--load-format dummy (each rank draws its own shard: faster start-up, "
+                    "no agreement)")
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks (a smoke test of the tool)")
+    ap.add_argument("--model-dir", help="write the model folder here (and keep it); an "
+                    "existing folder with weights is reused")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -226,6 +257,25 @@ def measure(tps: List[int], folder: Path, args: argparse.Namespace,
     return runs
 
 
+def prepare_folder(cfg: Dict[str, Any], args: argparse.Namespace) -> Path:
+    """The model folder every TP size serves: config + tokenizer (kept when the folder
+    has a config.json already), and with ``--weights random`` seeded safetensors
+    (``bench_model.write_random_weights``; kept when the folder has them already). With
+    ``dummy`` weights each rank draws its own shard, so the TP sizes would serve different
+    models: no agreement is compared then."""
+    base = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(
+        prefix="cvllm-tp-model-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    if not (base / "config.json").exists():
+        bm.write_model_folder(base, cfg)
+    if args.weights == "dummy":
+        args.agree_prompts = 0
+    elif not (base / "model.safetensors.index.json").exists():
+        t0 = time.monotonic()
+        bm.write_random_weights(base)
+        print(f"random weights written in {time.monotonic() - t0:.0f}s", flush=True)
+    return base
+
+
 def main() -> int:
     args = parse_args()
     if not args.out:
@@ -236,15 +286,26 @@ def main() -> int:
     import torch
 
     cfg = bm.build_config(args.config)
-    folder = bm.write_model_folder(Path(tempfile.mkdtemp(prefix="cvllm-tp-model-")), cfg)
+    folder = prepare_folder(cfg, args)
+    try:
+        return report_runs(cfg, folder, args, torch)
+    finally:
+        if not args.model_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def report_runs(cfg: Dict[str, Any], folder: Path, args: argparse.Namespace, torch) -> int:
     report: Dict[str, Any] = {
         "schema": "cvllm-bench-tp/1", "command": " ".join(
             ([f"CVLLM_ALLREDUCE={os.environ['CVLLM_ALLREDUCE']}"]
              if os.environ.get("CVLLM_ALLREDUCE") else []) + ["python"] + sys.argv),
-        "device": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "num_gpus": 0 if args.cpu else torch.cuda.device_count(),
         "model": ("Llama-3.1-8B shape" if not args.config else args.config)
-        + ", bf16, random weights" + (f", quantized while loading (--isq {args.isq})"
-                                      if args.isq else ""), "config": cfg, "runs": []}
+        + (", bf16, seeded random weights loaded from safetensors" if args.weights == "random"
+           else ", bf16, --load-format dummy") + (f", quantized while loading (--isq {args.isq})"
+                                                  if args.isq else ""),
+        "config": cfg, "runs": []}
     out = Path(args.out)
 
     def save(runs):
