@@ -3,6 +3,7 @@
 (issue 14's first target: at 256 streams, served >= 0.85 of the engine, ITL p99 <= 3x p50).
 
     PYTHONPATH=. python tools/bench_served.py --concurrency 256 --out served.json
+    PYTHONPATH=. python tools/bench_served.py --tp 2 --out served-tp2.json   # GPUs 0, 1
 
 1. Writes an 8B Llama-3.1-shaped folder (``--config`` for another; random weights via
    ``--load-format dummy``, a word-level tokenizer made on the fly: ``bench_model``).
@@ -12,7 +13,9 @@
    output tokens / wall time of the whole round (prefill included, as the served figure has it).
 3. Served: ``cvllm serve`` on the same folder and ``tools/bench_serving.py`` with the same
    prompts shape, ``--concurrency`` streamed completions at once, a warm-up round first.
-Reports both, their ratio, and the client's TTFT / ITL percentiles.
+Reports both, their ratio, and the client's TTFT / ITL percentiles. ``--tp N`` runs both
+on N ranks (the engine alone under torchrun, every rank in the SPMD job, rank 0 timing;
+served as ``cvllm serve --d 0,..,N-1``); ``--isq TYPE`` quantizes both while loading.
 """
 
 from __future__ import annotations
@@ -37,13 +40,33 @@ from bench_tp import stop_server, wait_healthy  # noqa: E402
 
 def engine_alone(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs in the child process: the engine's own throughput (no HTTP)."""
+    from cvllm.engine.llm import LLM
+
+    options = dict(weight_path=args.folder, load_format="dummy", max_model_len=args.max_model_len,
+                   max_num_seqs=args.concurrency, seed=0, **engine_flags(args))
+    if args.tp == 1:
+        return engine_rounds(LLM(**options), args)
+    from cvllm.runtime.job import run_job
+    from cvllm.runtime.spmd import ParallelOptions
+
+    result: Dict[str, Any] = {}
+    run_job(ParallelOptions(device_ids=(0,), cpu=args.cpu), options,
+            lambda rank0: result.update(engine_rounds(
+                LLM.from_engine(rank0.build_engine()[0]), args)))
+    return result  # empty on the ranks other than 0
+
+
+def engine_flags(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine options both runs share beyond the model and the batch."""
+    return {**({"isq": args.isq} if args.isq else {}),
+            **({"cpu": True, "kvcache_mem_mb": 64} if args.cpu else {})}
+
+
+def engine_rounds(llm, args: argparse.Namespace) -> Dict[str, Any]:
     import random
 
-    from cvllm.engine.llm import LLM
     from cvllm.sampling_params import SamplingParams
 
-    llm = LLM(weight_path=args.folder, load_format="dummy", max_model_len=args.max_model_len,
-              max_num_seqs=args.concurrency, seed=0)
     rng = random.Random(0)
     vocab = int(json.loads((Path(args.folder) / "config.json").read_text())["vocab_size"])
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
@@ -66,8 +89,10 @@ def engine_alone(args: argparse.Namespace) -> Dict[str, Any]:
 def served(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     cmd = [sys.executable, "-m", "cvllm", "serve", "--w", args.folder, "--load-format", "dummy",
            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.concurrency)]
-    env = dict(os.environ, CVLLM_NO_PROGRESS="1")
+           "--max-num-seqs", str(args.concurrency),
+           "--d", ",".join(str(i) for i in range(args.tp))] \
+        + (["--isq", args.isq] if args.isq else []) + (["--cpu", "--mem", "64"] if args.cpu else [])
+    env = dict(os.environ, CVLLM_NO_PROGRESS="1", NCCL_NVLS_ENABLE="0")
     log = open(work / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{args.port}"
@@ -110,6 +135,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--port", type=int, default=8432)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks of both runs (GPUs 0..N-1; the engine alone "
+                    "runs under torchrun)")
+    ap.add_argument("--isq", default=None, help="quantize the weights while loading (q4k, ...)")
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks (a smoke test of the tool)")
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -119,17 +149,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.engine_only:
-        print("RESULT " + json.dumps(engine_alone(args)), flush=True)
+        result = engine_alone(args)
+        if result:  # rank 0
+            print("RESULT " + json.dumps(result), flush=True)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="cvllm-served-"))
     cfg = bm.build_config(args.config)
     args.folder = str(bm.write_model_folder(work / "model", cfg))
     child_args = ["--engine-only", "--folder", args.folder]
-    for name in ("concurrency", "input_len", "output_len", "rounds", "max_model_len"):
+    for name in ("concurrency", "input_len", "output_len", "rounds", "max_model_len", "tp"):
         child_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    child = subprocess.run([sys.executable, __file__] + child_args,
-                           capture_output=True, text=True, timeout=600)
+    child_args += (["--isq", args.isq] if args.isq else []) + (["--cpu"] if args.cpu else [])
+    launcher = [sys.executable] if args.tp == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
+        "--master-port", str(args.port + 1)]
+    child = subprocess.run(launcher + [__file__] + child_args, capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
     lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         raise SystemExit(f"engine-alone run failed:\n{child.stdout[-3000:]}\n{child.stderr[-3000:]}")
@@ -139,6 +175,7 @@ def main() -> int:
     report = {
         "schema": "cvllm-bench-served/1", "command": "python " + " ".join(sys.argv),
         "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "tp": args.tp, "isq": args.isq,
         "engine": engine, "served": srv,
         "served_over_engine": round(srv["output_throughput"] / engine["output_throughput"], 3),
         "itl_p99_over_p50": round(itl["p99"] / itl["p50"], 2) if itl and itl.get("p50") else None,
@@ -146,7 +183,8 @@ def main() -> int:
     try:
         import torch
 
-        report["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        report["device"] = torch.cuda.get_device_name(0) \
+            if torch.cuda.is_available() and not args.cpu else "cpu"
         report["torch"] = torch.__version__
     except Exception:
         pass

@@ -54,6 +54,27 @@ def test_bench_served_compares_the_same_workload(tmp_path):
     assert rep["served_over_engine"] > 0
 
 
+@pytest.mark.mpi
+def test_bench_served_at_tp2(tmp_path):
+    """``--tp 2``: the engine alone as a 2-rank SPMD job under torchrun (rank 0 reports),
+    served through ``cvllm serve --d 0,1``; CPU ranks here, GPUs 0 and 1 on a GPU machine."""
+    sys.path.insert(0, str(TOOLS))
+    import bench_model as bm
+
+    from tests.distributed.tp_helpers import free_port
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(bm.build_config(tiny=True)))
+    out = tmp_path / "served.json"
+    _run([TOOLS / "bench_served.py", "--cpu", "--tp", "2", "--config", cfg, "--concurrency", "4",
+          "--input-len", "8", "--output-len", "8", "--rounds", "1", "--port", free_port(),
+          "--out", out])
+    rep = json.loads(out.read_text())
+    assert rep["tp"] == 2 and rep["device"] == "cpu"
+    assert rep["engine"]["rounds"][0]["output_tokens"] == 4 * 8
+    assert rep["served"]["best"]["completed"] == 4 and rep["served"]["best"]["all_full_length"]
+
+
 def test_bench_bitmask_runs_free_and_constrained(default_gguf, tmp_path):
     out = tmp_path / "bitmask.json"
     _run([TOOLS / "bench_bitmask.py", "--batches", "2", "--tokens", "6", "--repeats", "1",
