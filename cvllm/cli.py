@@ -284,6 +284,9 @@ def main() -> None:
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds that requests in flight may run on after SIGTERM / Ctrl-C; then "
                    "they are aborted and every rank exits within 5 s more.")
+@click.option("--api-process/--no-api-process", default=True, show_default=True,
+              help="Run HTTP, tokenizing and chat templates in a process of their own beside "
+                   "rank 0's engine (each with its own GIL); off: one process.")
 def serve(**kw: Any) -> None:
     """Serve a model over the OpenAI API (chat, completions, models, health, metrics)."""
     from cvllm.logger import init_logging
@@ -311,7 +314,6 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     tool_parser, reasoning_parser = choose_parsers(
         kw["tool_call_parser"], kw["reasoning_parser"], engine.config.model.architecture,
         engine.tokenizer.chat_template_source)
-    mcp = build_mcp(kw["mcp_config"], kw["mcp_command"], kw["mcp_args"], kw["mcp_call_timeout"])
     settings = ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
                               served_model_name=name,
                               keepalive_timeout_s=kw["keepalive_timeout"],
@@ -320,6 +322,9 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
                               max_connections=kw["max_connections"],
                               tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
                               mcp_max_rounds=kw["mcp_max_rounds"])
+    if kw["api_process"] and _serve_in_api_process(kw, async_engine, settings):
+        return
+    mcp = build_mcp(kw["mcp_config"], kw["mcp_command"], kw["mcp_args"], kw["mcp_call_timeout"])
     app = build_app(async_engine, settings, mcp)
 
     async def on_startup(_app) -> None:
@@ -340,8 +345,37 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     # SIGTERM / Ctrl-C: new requests get 503 while those in flight run on for at most
     # --shutdown-timeout, then are aborted; the engine stops and run_job sends SHUTDOWN.
     serve_until_signal(app, settings, async_engine, shutdown_timeout_s=kw["shutdown_timeout"],
-                       on_listening=lambda: logger.info(
+                       on_listening=lambda _runner: logger.info(
                            "serving %s on http://%s:%d/v1", name, kw["host"], kw["port"]))
+
+
+def _serve_in_api_process(kw: Dict[str, Any], async_engine, settings) -> bool:
+    """Serve through the API process (``runtime/api_host.py`` runs
+    ``python -m cvllm.server.api_process``); False, with a warning, when the engine's
+    tokenizer cannot be handed to another process (then this process serves)."""
+    import dataclasses
+
+    from cvllm.runtime import api_host
+    from cvllm.utils.gc_freeze import freeze_startup_objects
+
+    why = api_host.tokenizer_travels(async_engine.engine.tokenizer)
+    if why is not None:
+        logger.warning("serving from this process (as --no-api-process): %s", why)
+        return False
+    mcp = {k: kw[k] for k in ("mcp_config", "mcp_command", "mcp_args", "mcp_call_timeout")}
+    log_args = ["--log-level", kw["log_level"]] + (["--log-file", kw["log_file"]]
+                                                   if kw["log_file"] else [])
+    freeze_startup_objects()
+    try:
+        api_host.serve_with_api_process(
+            async_engine, [sys.executable, "-m", "cvllm.server.api_process"],
+            dataclasses.asdict(settings), mcp, kw["shutdown_timeout"], log_args)
+    except api_host.ApiProcessStartError as e:
+        _fail(str(e))
+    except api_host.ApiProcessDiedError as e:
+        click.echo(f"cvllm: error: {e}", err=True)
+        sys.exit(1)
+    return True
 
 
 @main.command()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 _FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
 
@@ -23,9 +23,11 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def init_logging(rank: int = 0, log_file: Optional[str] = None, level: str = "INFO") -> logging.Logger:
+def init_logging(rank: Union[int, str] = 0, log_file: Optional[str] = None,
+                 level: str = "INFO") -> logging.Logger:
     """Send ``cvllm`` logs to stderr and, with ``--log``, to ``log_file`` (rank 0) or
-    ``rank_log_path(log_file, rank)`` (other ranks) so every rank keeps its own file."""
+    ``rank_log_path(log_file, rank)`` (other ranks) so every rank keeps its own file.
+    ``rank`` may be a label instead (``"api"``: the API-server process)."""
     logger = logging.getLogger("cvllm")
     logger.setLevel(level.upper())
     for h in list(logger.handlers):
@@ -42,12 +44,13 @@ def init_logging(rank: int = 0, log_file: Optional[str] = None, level: str = "IN
     return logger
 
 
-def rank_log_path(log_file: str, rank: int) -> str:
-    """``serve.log`` -> ``serve.rank1.log`` for rank 1 (``serve`` -> ``serve.rank1``);
-    rank 0 keeps the name as given."""
+def rank_log_path(log_file: str, rank: Union[int, str]) -> str:
+    """``serve.log`` -> ``serve.rank1.log`` for rank 1 (``serve`` -> ``serve.rank1``),
+    ``serve.api.log`` for the label ``"api"``; rank 0 keeps the name as given."""
     if rank == 0:
         return log_file
+    tag = rank if isinstance(rank, str) else f"rank{rank}"
     head, sep, ext = log_file.rpartition(".")
     if sep and head and "/" not in ext:
-        return f"{head}.rank{rank}.{ext}"
-    return f"{log_file}.rank{rank}"
+        return f"{head}.{tag}.{ext}"
+    return f"{log_file}.{tag}"

@@ -4,6 +4,10 @@ Built by ``cli.py`` on rank 0 around an ``LLMEngine``; the aiohttp server holds 
 calls only its public methods. The engine thread is the only thread that touches the
 ``LLMEngine`` (scheduler, runner, detokenizers); handlers talk to it through a command
 queue and receive ``RequestOutput`` objects on per-request ``asyncio.Queue`` s.
+
+Requests can also come from another process (the API server, ``runtime/api_host.py``):
+``submit`` registers one with a ``sink`` instead of a queue, and each step's outputs of
+such requests reach that sink in one call (``deliver``) from the engine thread.
 """
 
 from __future__ import annotations
@@ -39,6 +43,19 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class OutputSink:
+    """Where the outputs of requests submitted from another process go (``submit``).
+    Both methods are called on the engine thread and must not block on the peer."""
+
+    def deliver(self, outputs: List[RequestOutput]) -> None:
+        """One step's outputs of this sink's requests (finished ones included)."""
+        raise NotImplementedError
+
+    def fail(self, request_id: str, err: BaseException) -> None:
+        """The request ends with an error instead of an output."""
+        raise NotImplementedError
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str, default_params: Dict[str, Any]):
         self.engine = engine
@@ -46,7 +63,8 @@ class AsyncEngine:
         self.max_model_len = engine.config.model.max_model_len
         self._defaults = dict(default_params)
         self._commands: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
-        self._queues: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: Dict[str, Tuple[Any, Optional[asyncio.Queue]]] = {}
+        """Request id -> (its event loop, its queue), or (an ``OutputSink``, None)."""
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -108,6 +126,10 @@ class AsyncEngine:
     def metrics(self) -> EngineMetrics:
         return self._metrics
 
+    async def current_metrics(self) -> EngineMetrics:
+        """``metrics()`` for the /metrics route (the same snapshot in this process)."""
+        return self._metrics
+
     def default_params(self) -> Dict[str, Any]:
         return dict(self._defaults)
 
@@ -148,6 +170,32 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def submit(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
+               sink: OutputSink) -> None:
+        """``generate`` for a caller in another process: the outputs go to ``sink``
+        (the finished one last), or ``sink.fail`` is called. Raises as ``generate`` does
+        for a prompt refused before it reaches the engine thread."""
+        if not self.is_healthy():
+            raise EngineDeadError("the engine loop is not running")
+        self._check_prompt(prompt_token_ids)
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (sink, None)
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params)))
+
+    def submitted_by(self, sink: OutputSink) -> List[str]:
+        """The requests in flight whose outputs go to ``sink``."""
+        with self._lock:
+            return [rid for rid, (s, q) in self._queues.items() if s is sink and q is None]
+
+    def abort_submitted(self, request_id: str) -> None:
+        """The remote caller stopped waiting for ``request_id`` (``submit``)."""
+        with self._lock:
+            known = self._queues.pop(request_id, None) is not None
+        if known:
+            self.abort(request_id)
 
     def _check_prompt(self, prompt_token_ids: List[int]) -> None:
         from cvllm.engine.llm_engine import PromptTooLongError
@@ -224,25 +272,38 @@ class AsyncEngine:
             return
         with self._lock:
             target = self._queues.get(out.request_id)
+            if target is not None and target[1] is None and out.finished:
+                del self._queues[out.request_id]  # a sink's request ends with its output
         if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            sink, q = target
+            if q is None:
+                sink.deliver([out])
+            else:
+                sink.call_soon_threadsafe(q.put_nowait, out)
 
     def _deliver_step(self, outputs: List[RequestOutput]) -> None:
         """A step's outputs, handed to each event loop in one callback: one wake-up of the
         loop per step instead of one per request (at 256 streams, 16 us a token of lock,
         self-pipe write and callback scheduling on the engine thread)."""
         by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_sink: Dict[OutputSink, List[RequestOutput]] = {}
         warm_up = []
         with self._lock:
             for out in outputs:
                 target = self._queues.get(out.request_id)
-                if target is not None:
+                if target is None:
+                    if out.request_id == _WARMUP_ID:
+                        warm_up.append(out)
+                elif target[1] is None:
+                    by_sink.setdefault(target[0], []).append(out)
+                    if out.finished:
+                        del self._queues[out.request_id]
+                else:
                     by_loop.setdefault(target[0], []).append((target[1], out))
-                elif out.request_id == _WARMUP_ID:
-                    warm_up.append(out)
         for out in warm_up:  # _deliver takes the lock itself
             self._deliver(out)
+        for sink, outs in by_sink.items():
+            sink.deliver(outs)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -252,18 +313,31 @@ class AsyncEngine:
     def _deliver_error(self, request_id: str, err: BaseException) -> None:
         with self._lock:
             target = self._queues.get(request_id)
+            if target is not None and target[1] is None:
+                del self._queues[request_id]
         if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, err)
+            self._send_error(request_id, target, err)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
-            targets = list(self._queues.values())
-        for loop, q in targets:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, err)
-            except RuntimeError:  # that loop is already closed
-                pass
+            targets = list(self._queues.items())
+            for rid, (_, q) in targets:
+                if q is None:
+                    del self._queues[rid]
+        for rid, target in targets:
+            self._send_error(rid, target, err)
+
+    @staticmethod
+    def _send_error(request_id: str, target: Tuple[Any, Optional[asyncio.Queue]],
+                    err: BaseException) -> None:
+        sink, q = target
+        if q is None:
+            sink.fail(request_id, err)
+            return
+        try:
+            sink.call_soon_threadsafe(q.put_nowait, err)
+        except RuntimeError:  # that loop is already closed
+            pass
 
     # ---------------------------------------------------------------- agent API (issue 15)
     def render_chat_prompt(self, messages: List[Dict[str, Any]],

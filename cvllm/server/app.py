@@ -74,7 +74,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = render_metrics(request.app[CONTEXT_KEY].engine.metrics())
+    # current_metrics: what the engine counted up to now, so a scrape taken after a
+    # response has ended counts that response (in the API process: asked of rank 0).
+    text = render_metrics(await request.app[CONTEXT_KEY].engine.current_metrics())
     return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -47,14 +47,24 @@ def serve_until_signal(app: web.Application, settings: ServerSettings, engine: A
                        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                        on_listening: Optional[Callable[[], None]] = None) -> None:
     """Blocking: listen on settings.host:port, serve, drain on a signal, clean up."""
-    asyncio.run(_serve(app, settings, engine, shutdown_timeout_s, on_listening))
+    asyncio.run(serve_app(app, settings, engine, shutdown_timeout_s, on_listening))
 
 
-async def _serve(app: web.Application, settings: ServerSettings, engine: Any,
-                 timeout_s: float, on_listening: Optional[Callable[[], None]]) -> None:
+async def serve_app(app: web.Application, settings: ServerSettings, engine: Any,
+                    timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                    on_listening: Optional[Callable[[Any], None]] = None,
+                    engine_gone: Optional[asyncio.Event] = None,
+                    signal_source: Optional[Callable[[Callable[[int], None]], None]] = None
+                    ) -> None:
+    """``serve_until_signal`` inside a running loop (the API process's). ``on_listening``
+    gets the runner once the port is bound; ``engine_gone`` set (the engine process
+    stopped) ends the serving too, within ``EXIT_GRACE_S``: its requests have already
+    failed. ``signal_source(handler)``: signals arrive through it (rank 0 passes on the
+    ones it gets) instead of from this process's own signal handlers."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     tasks: List[asyncio.Task] = []
+    watch = None if engine_gone is None else loop.create_task(_set_when(engine_gone, stop))
 
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
@@ -67,23 +77,36 @@ async def _serve(app: web.Application, settings: ServerSettings, engine: Any,
         exit_by(timeout_s + EXIT_GRACE_S - _EXIT_MARGIN_S, f"{name} {timeout_s:.0f} s ago")
         tasks.append(loop.create_task(_drain(engine, timeout_s, stop, name)))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    if signal_source is not None:
+        signal_source(on_signal)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=HTTP_CLOSE_S)
     await runner.setup()
     try:
         await EdgeSite(runner, settings).start()  # connection cap and timeouts
         if on_listening is not None:
-            on_listening()
+            on_listening(runner)
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-            # From here on (server closing, engine stopping, SHUTDOWN to the ranks) a
-            # signal only brings the exit closer.
-            signal.signal(sig, _late_signal)
+            if signal_source is None:
+                loop.remove_signal_handler(sig)
+                # From here on (server closing, engine stopping, SHUTDOWN to the ranks) a
+                # signal only brings the exit closer.
+                signal.signal(sig, _late_signal)
         await runner.cleanup()
+
+
+async def _set_when(event: asyncio.Event, stop: asyncio.Event) -> None:
+    await event.wait()
+    logger.error("the engine is gone; the server stops")
+    exit_by(EXIT_GRACE_S, "the engine is gone")
+    stop.set()
 
 
 def _late_signal(signum: int, _frame: Any) -> None:

@@ -50,8 +50,8 @@ def test_killed_worker_turns_health_503_then_everything_exits(tiny_llama, tmp_pa
     try:
         server.wait_healthy()
         pids = [server.proc.pid, *server.descendants()]
-        workers = server.descendants()
-        assert len(workers) == 1, workers
+        workers = server.workers()
+        assert len(workers) == 1 and len(pids) == 3, (workers, pids)  # + the API process
         out: dict = {}
         t = threading.Thread(target=_stream, args=(server.base, 110, out), daemon=True)
         t.start()

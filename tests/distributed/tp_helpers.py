@@ -152,6 +152,27 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
+    def api_pids(self) -> List[int]:
+        """The API-server process (``cvllm serve``'s default), if there is one."""
+        import psutil
+
+        out = []
+        for pid in self.descendants():
+            try:
+                if "cvllm.server.api_process" in " ".join(psutil.Process(pid).cmdline()):
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def workers(self) -> List[int]:
+        """The rank processes below the launched one (the API-server process, a child of
+        rank 0, is not a rank)."""
+        import psutil
+
+        api = set(self.api_pids())
+        return [pid for pid in self.descendants() if pid not in api]
+
     def text(self) -> str:
         self._f.flush()
         return self.log.read_text(errors="replace")[-6000:]

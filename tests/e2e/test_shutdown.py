@@ -134,11 +134,13 @@ def test_sigterm_aborts_what_is_left_at_the_shutdown_timeout(long_tiny_llama, tm
     server = _start(long_tiny_llama, tmp_path, SHUTDOWN_TIMEOUT_S, ranks)
     try:
         pids = _rank_pids(server, ranks)
+        api = server.api_pids()
+        assert len(api) == 1, server.text()  # cvllm serve's default: HTTP in its own process
         streams, full, threads = _start_clients(server.base)
         signalled = time.monotonic()
         for pid in pids:  # mpirun and torchrun forward a signal to every rank
             os.kill(pid, signal.SIGTERM)
-        gone_at = _wait_exit(server, pids, signalled, SHUTDOWN_TIMEOUT_S + BOUND_S)
+        gone_at = _wait_exit(server, pids + api, signalled, SHUTDOWN_TIMEOUT_S + BOUND_S)
         _check_aborted(streams, full, threads, server.text())
         # The drain did wait for the timeout before aborting.
         assert min(s["ended"] for s in streams) - signalled >= SHUTDOWN_TIMEOUT_S - 0.2, streams
@@ -157,6 +159,7 @@ def test_second_sigterm_exits_within_5_s(long_tiny_llama, tmp_path, ranks):
     server = _start(long_tiny_llama, tmp_path, 60.0, ranks)
     try:
         pids = _rank_pids(server, ranks)
+        api = server.api_pids()
         streams, full, threads = _start_clients(server.base)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
@@ -164,7 +167,7 @@ def test_second_sigterm_exits_within_5_s(long_tiny_llama, tmp_path, ranks):
         second = time.monotonic()
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
-        gone_at = _wait_exit(server, pids, second, BOUND_S)
+        gone_at = _wait_exit(server, pids + api, second, BOUND_S)
         _check_aborted(streams, full, threads, server.text())
         assert gone_at <= BOUND_S, gone_at
         print(f"\n{ranks} rank(s): every process gone {gone_at:.2f} s after the second SIGTERM")

@@ -72,6 +72,9 @@ class FakeEngine:
     def default_params(self) -> dict:
         return dict(self.defaults)
 
+    async def current_metrics(self) -> EngineMetrics:
+        return self.metrics()
+
     def metrics(self) -> EngineMetrics:
         return EngineMetrics(num_running=2, num_waiting=1, kv_blocks_total=100,
                              kv_blocks_free=40, prompt_tokens_total=123,
