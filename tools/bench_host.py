@@ -17,8 +17,12 @@ per step (``pthread_getcpuclockid``): the engine thread, broken down by phase (s
 build_step_input, launch, wait for the device, scheduler update, outputs and
 detokenizing, delivery to the event loop), and the event-loop thread (HTTP, SSE, JSON).
 Served / engine is the figure issue 14 asks for (target >= 0.85 at 256 streams).
+``--api-process`` serves as ``cvllm serve`` does by default: HTTP in the API process
+(``runtime/api_host.py``), this process keeping the engine thread and the channel's
+reader and writer threads; the API process's CPU is reported as a whole.
 
     python tools/bench_host.py --concurrency 256 --device-ms 15 --out host.json
+    python tools/bench_host.py --concurrency 256 --device-ms 15 --api-process --out api.json
 
 The phase timers wrap the engine's methods from outside (this file only), so cvllm carries
 no timing code; each wrapper costs well under a microsecond a call.
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -208,11 +213,7 @@ async def _serve_and_load(args, engine: AsyncEngine, client_out: Path) -> Dict[s
     port = runner.addresses[0][1]
     loop_thread = threading.get_ident()
     engine_thread = engine._thread.ident
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--base-url",
-           f"http://127.0.0.1:{port}", "--num-requests", str(args.concurrency), "--concurrency",
-           str(args.concurrency), "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--token-range", f"{int(args.words_lo)},{int(args.words_hi)}",
-           "--warmup", "0", "--out", str(client_out)]
+    cmd = _client_cmd(args, port, client_out)
     before = {"loop": thread_cpu(loop_thread), "engine": thread_cpu(engine_thread)}
     steps0 = engine.engine.stats["steps"]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL)
@@ -236,6 +237,57 @@ async def _serve_and_load(args, engine: AsyncEngine, client_out: Path) -> Dict[s
     return dict(wall=wall, steps=engine.engine.stats["steps"] - steps0, **used)
 
 
+def _client_cmd(args, port: int, client_out: Path) -> list:
+    return [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--base-url",
+            f"http://127.0.0.1:{port}", "--num-requests", str(args.concurrency), "--concurrency",
+            str(args.concurrency), "--input-len", str(args.input_len), "--output-len",
+            str(args.output_len), "--token-range", f"{int(args.words_lo)},{int(args.words_hi)}",
+            "--warmup", "0", "--out", str(client_out)]
+
+
+def _serve_through_api_process(args, engine: AsyncEngine, client_out: Path) -> Dict[str, float]:
+    """The served run as ``cvllm serve`` runs by default: HTTP in the API process
+    (``runtime/api_host.py``), this process keeping the engine thread. CPU per thread of
+    this process, and the API process's whole CPU time."""
+    import dataclasses
+    import socket
+
+    import psutil
+
+    from cvllm.runtime import api_host
+    from cvllm.server.context import ServerSettings
+
+    work = tempfile.mkdtemp(prefix="cvllm-bench-api-")
+    ours, theirs = socket.socketpair()
+    settings = dataclasses.asdict(ServerSettings(host="127.0.0.1", port=0))
+    host = api_host.ApiHost(engine, ours, api_host.make_hello(engine, settings, {}, 5.0, work))
+    proc = api_host.spawn([sys.executable, "-m", "cvllm.server.api_process"], theirs,
+                          ["--log-level", "WARNING"])
+    theirs.close()
+    host.start()
+    api_host.wait_listening(host, proc)
+    port = int(host.address.rsplit(":", 1)[1])
+    threads = {t.name: t.ident for t in threading.enumerate()
+               if t.name in ("cvllm-engine", "cvllm-api-writer", "cvllm-api-reader")}
+    before = {n: thread_cpu(i) for n, i in threads.items()}
+    api = psutil.Process(proc.pid)
+    api_before = sum(api.cpu_times()[:2])
+    steps0 = engine.engine.stats["steps"]
+    t0 = time.perf_counter()
+    subprocess.run(_client_cmd(args, port, client_out), stdout=subprocess.DEVNULL, check=True)
+    wall = time.perf_counter() - t0
+    used = {f"{n.replace('cvllm-', '').replace('-', '_')}_thread": thread_cpu(i) - before[n]
+            for n, i in threads.items()}
+    used["api_process"] = sum(api.cpu_times()[:2]) - api_before
+    host.close()  # the API process leaves once its channel is gone (it ignores SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    shutil.rmtree(work, ignore_errors=True)
+    return dict(wall=wall, steps=engine.engine.stats["steps"] - steps0, **used)
+
+
 def run_served(args, tok, words) -> Dict[str, Any]:
     llm = build_engine(args, tok, words)
     engine = AsyncEngine(llm, "sim", {})
@@ -251,13 +303,17 @@ def run_served(args, tok, words) -> Dict[str, Any]:
     timer.seconds.clear(), timer.calls.clear()
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "client.json"
-        res = asyncio.run(_serve_and_load(args, engine, out))
+        if args.api_process:
+            res = _serve_through_api_process(args, engine, out)
+        else:
+            res = asyncio.run(_serve_and_load(args, engine, out))
         client = json.loads(out.read_text())
     engine.shutdown()
     tokens = client.get("total_output_tokens") or 0
     # the client's own timed span (its start-up and imports are not serving time)
-    rep = report("served", client.get("duration_s") or res["wall"], tokens, res["steps"], timer,
-                 {k: res[k] for k in ("engine_thread", "event_loop_thread")})
+    rep = report("served" + (" (API process)" if args.api_process else ""),
+                 client.get("duration_s") or res["wall"], tokens, res["steps"], timer,
+                 {k: v for k, v in res.items() if k not in ("wall", "steps")})
     rep["client"] = {k: client.get(k) for k in ("output_throughput", "ttft_ms", "itl_ms",
                                                  "completed", "failed", "duration_s")}
     return rep
@@ -305,6 +361,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip-served", action="store_true",
                     help="(with --real-model run the two in separate processes: each "
                          "engine takes most of the GPU's memory for its KV cache)")
+    ap.add_argument("--api-process", action="store_true",
+                    help="served run: HTTP in the API process, as cvllm serve does by default "
+                         "(without it: in this process, as --no-api-process)")
     ap.add_argument("--profile-loop", action="store_true",
                     help="cProfile the event-loop thread during the served run (slows it)")
     ap.add_argument("--out", default=None)

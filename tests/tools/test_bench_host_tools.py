@@ -23,16 +23,22 @@ def _run(args, timeout=240):
     return proc
 
 
-def test_bench_host_breaks_the_step_down(default_gguf, tmp_path):
+@pytest.mark.parametrize("api_process", [False, True])
+def test_bench_host_breaks_the_step_down(default_gguf, tmp_path, api_process):
     out = tmp_path / "host.json"
     _run([TOOLS / "bench_host.py", "--concurrency", "8", "--output-len", "12",
-          "--device-ms", "5", "--out", out])
+          "--device-ms", "5", "--out", out] + (["--api-process"] if api_process else []))
     engine, served, ratio = json.loads(out.read_text())["results"]
     for rep in (engine, served):
         assert rep["output_tokens"] == 8 * 12
         assert {"schedule", "launch", "wait_device", "outputs_detokenize"} <= set(
             rep["engine_phase_ms_per_step"])
-    assert "event_loop_thread" in served["thread_cpu_ms_per_step"]
+    cpu = served["thread_cpu_ms_per_step"]
+    if api_process:  # the HTTP side's CPU is the API process's, not a thread of this one
+        assert {"engine_thread", "api_writer_thread", "api_process"} <= set(cpu)
+        assert "event_loop_thread" not in cpu and cpu["api_process"] > 0
+    else:
+        assert "event_loop_thread" in cpu
     assert served["client"]["completed"] == 8 and served["client"]["failed"] == 0
     assert 0 < ratio["served_over_engine"]
 
