@@ -7,6 +7,7 @@ exits 0."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -99,8 +100,11 @@ def test_sigterm_drains_then_stops_every_rank(tiny_llama, tmp_path):
         assert out.get("finish_reason") == "length" and out.get("completion_tokens") == 110, out
         assert not wait_gone(pids, 30), server.text()
         assert server.proc.wait(5) == 0, server.text()
-        assert "draining 1 request" in server.text()
-        assert "SHUTDOWN" in server.text()
+        log = server.log.read_text(errors="replace")  # whole: exit noise can fill the tail
+        # The stream, and maybe the first new request: rank 0 passes the signal on to the
+        # API process, and a request sent right after it can arrive there first.
+        assert re.search(r"draining [12] request", log), log[-3000:]
+        assert "SHUTDOWN" in log
     finally:
         server.stop()
 
