@@ -98,6 +98,11 @@ class AsyncEngine:
         return (self._error is None and not self._draining.is_set()
                 and self._thread is not None and self._thread.is_alive())
 
+    def failure(self) -> Optional[str]:
+        """Why the engine failed (None while it has not)."""
+        err = self._error
+        return None if err is None else str(err)
+
     def fail(self, reason: str) -> None:
         """Mark the engine dead from outside its thread (rank 0's health monitor saw a
         worker rank die): ``/health`` turns 503 and every waiting request gets an error."""

@@ -178,8 +178,7 @@ class ApiHost(OutputSink):
     def _send_status(self, last: Optional[EngineStatus]) -> EngineStatus:
         """STATUS when the engine's health changed since ``last``."""
         eng = self.engine
-        err = eng._error  # noqa: SLF001 -- read-only look at why it failed
-        now = EngineStatus(eng.is_ready(), eng.is_healthy(), None if err is None else str(err))
+        now = EngineStatus(eng.is_ready(), eng.is_healthy(), eng.failure())
         if now != last:
             self._writer.send_json(ch.STATUS, now.to_wire())
         return now
