@@ -358,18 +358,19 @@ def _serve_in_api_process(kw: Dict[str, Any], async_engine, settings) -> bool:
     from cvllm.runtime import api_host
     from cvllm.utils.gc_freeze import freeze_startup_objects
 
-    why = api_host.tokenizer_travels(async_engine.engine.tokenizer)
-    if why is not None:
-        logger.warning("serving from this process (as --no-api-process): %s", why)
-        return False
     mcp = {k: kw[k] for k in ("mcp_config", "mcp_command", "mcp_args", "mcp_call_timeout")}
+    try:
+        hello = api_host.make_hello(async_engine, dataclasses.asdict(settings), mcp,
+                                    kw["shutdown_timeout"])
+    except api_host.TokenizerStaysError as e:
+        logger.warning("serving from this process (as --no-api-process): %s", e)
+        return False
     log_args = ["--log-level", kw["log_level"]] + (["--log-file", kw["log_file"]]
                                                    if kw["log_file"] else [])
     freeze_startup_objects()
     try:
         api_host.serve_with_api_process(
-            async_engine, [sys.executable, "-m", "cvllm.server.api_process"],
-            dataclasses.asdict(settings), mcp, kw["shutdown_timeout"], log_args)
+            async_engine, hello, [sys.executable, "-m", "cvllm.server.api_process"], log_args)
     except api_host.ApiProcessStartError as e:
         _fail(str(e))
     except api_host.ApiProcessDiedError as e:

@@ -257,10 +257,10 @@ def _serve_through_api_process(args, engine: AsyncEngine, client_out: Path) -> D
     from cvllm.runtime import api_host
     from cvllm.server.context import ServerSettings
 
-    work = tempfile.mkdtemp(prefix="cvllm-bench-api-")
     ours, theirs = socket.socketpair()
     settings = dataclasses.asdict(ServerSettings(host="127.0.0.1", port=0))
-    host = api_host.ApiHost(engine, ours, api_host.make_hello(engine, settings, {}, 5.0, work))
+    hello = api_host.make_hello(engine, settings, {}, 5.0)
+    host = api_host.ApiHost(engine, ours, hello)
     proc = api_host.spawn([sys.executable, "-m", "cvllm.server.api_process"], theirs,
                           ["--log-level", "WARNING"])
     theirs.close()
@@ -284,7 +284,7 @@ def _serve_through_api_process(args, engine: AsyncEngine, client_out: Path) -> D
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(hello.tokenizer_dir, ignore_errors=True)
     return dict(wall=wall, steps=engine.engine.stats["steps"] - steps0, **used)
 
 

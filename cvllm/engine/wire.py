@@ -71,7 +71,9 @@ def _param(name: str, v: Any) -> Any:
             return None
         kind = kind[:-1]
     if kind == "number":
-        return float(want(v, _NUMBER, name)) if not isinstance(v, bool) else want(v, float, name)
+        if isinstance(v, bool):
+            raise WireError(f"{name}: expected a number, got bool")
+        return float(want(v, _NUMBER, name))
     if kind == "int":
         return want(v, int, name)
     if kind == "bool":

@@ -256,54 +256,57 @@ class ApiHost(OutputSink):
             logger.warning("the API process left %d request(s) in flight: aborted", len(own))
 
 
+class TokenizerStaysError(RuntimeError):
+    """The engine's tokenizer cannot be handed to another process (saved and loaded back,
+    it encodes differently, or cannot be): rank 0 serves in its own process."""
+
+
 def export_tokenizer(tokenizer: Any, folder: str) -> Dict[str, Any]:
-    """The tokenizer as files the API process loads, and the probe it must reproduce."""
-    tokenizer.hf.save_pretrained(folder)
-    return {"tokenizer_dir": folder, "chat_template": tokenizer.chat_template_source,
-            "probe_text": PROBE_TEXT, "probe_ids": tokenizer.encode(PROBE_TEXT)}
+    """The tokenizer saved to ``folder`` as the API process loads it, loaded back once to
+    check that it encodes the probe text as the original does (``TokenizerStaysError``
+    if not), and the probe the API process checks again."""
+    from transformers import PreTrainedTokenizerFast
 
-
-def tokenizer_travels(tokenizer: Any) -> Optional[str]:
-    """None when the tokenizer, saved and loaded back as the API process loads it,
-    encodes the probe text as the original does; else why not (then rank 0 serves in
-    its own process)."""
-    folder = tempfile.mkdtemp(prefix="cvllm-tok-")
+    probe_ids = tokenizer.encode(PROBE_TEXT)
     try:
-        from transformers import PreTrainedTokenizerFast
-
-        info = export_tokenizer(tokenizer, folder)
+        tokenizer.hf.save_pretrained(folder)
         copy = PreTrainedTokenizerFast.from_pretrained(folder)
-        if list(copy.encode(PROBE_TEXT, add_special_tokens=True)) != info["probe_ids"]:
-            return "a saved copy of the tokenizer encodes differently"
-        return None
+        same = list(copy.encode(PROBE_TEXT, add_special_tokens=True)) == probe_ids
     except Exception as e:  # a tokenizer that cannot be saved or loaded back
-        return f"the tokenizer cannot be saved and loaded back ({type(e).__name__}: {e})"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        raise TokenizerStaysError(f"the tokenizer cannot be saved and loaded back "
+                                  f"({type(e).__name__}: {e})") from None
+    if not same:
+        raise TokenizerStaysError("a saved copy of the tokenizer encodes differently")
+    return {"tokenizer_dir": folder, "chat_template": tokenizer.chat_template_source,
+            "probe_text": PROBE_TEXT, "probe_ids": probe_ids}
 
 
 def make_hello(async_engine: AsyncEngine, settings: Dict[str, Any], mcp: Dict[str, Any],
-               shutdown_timeout_s: float, folder: str) -> Hello:
+               shutdown_timeout_s: float) -> Hello:
+    """The HELLO of this engine, its tokenizer exported to a temporary folder (removed
+    by ``serve_with_api_process``); raises ``TokenizerStaysError``."""
+    folder = tempfile.mkdtemp(prefix="cvllm-api-")
+    try:
+        tok = export_tokenizer(async_engine.engine.tokenizer, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return Hello(model_name=async_engine.model_name, max_model_len=async_engine.max_model_len,
                  default_params=async_engine.default_params(), settings=settings,
-                 shutdown_timeout_s=shutdown_timeout_s, mcp=mcp,
-                 **export_tokenizer(async_engine.engine.tokenizer, folder))
+                 shutdown_timeout_s=shutdown_timeout_s, mcp=mcp, **tok)
 
 
-def serve_with_api_process(async_engine: AsyncEngine, command: Sequence[str],
-                           settings: Dict[str, Any], mcp: Dict[str, Any],
-                           shutdown_timeout_s: float, log_args: Sequence[str] = ()) -> None:
+def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Sequence[str],
+                           log_args: Sequence[str] = ()) -> None:
     """Blocking, on rank 0's main thread: start the API process (``command`` + ``--fd N``
-    + ``log_args``) and serve through it until it exits (after a drain on SIGTERM, as
-    ``server/lifecycle.py`` runs it there). Raises ``ApiProcessStartError`` if it cannot
-    start, ``ApiProcessDiedError`` if it ends unasked."""
-    work = tempfile.mkdtemp(prefix="cvllm-api-")
+    + ``log_args``) with ``hello`` (``make_hello``) and serve through it until it exits
+    (after a drain on SIGTERM, as ``server/lifecycle.py`` runs it there). Raises
+    ``ApiProcessStartError`` if it cannot start, ``ApiProcessDiedError`` if it ends unasked."""
     ours, theirs = socket.socketpair()
     proc: Optional[subprocess.Popen] = None
     host: Optional[ApiHost] = None
     try:
-        host = ApiHost(async_engine, ours,
-                       make_hello(async_engine, settings, mcp, shutdown_timeout_s, work))
+        host = ApiHost(async_engine, ours, hello)
         proc = spawn(command, theirs, log_args)
         theirs.close()
         host.start()
@@ -311,7 +314,7 @@ def serve_with_api_process(async_engine: AsyncEngine, command: Sequence[str],
         wait_listening(host, proc)
         logger.info("serving %s on http://%s/v1 (API process %d)", async_engine.model_name,
                     host.address, proc.pid)
-        _forward_signals_until_exit(proc, host, shutdown_timeout_s)
+        _forward_signals_until_exit(proc, host, hello.shutdown_timeout_s)
     finally:
         async_engine.shutdown(timeout=1.0)
         if proc is not None and proc.poll() is None:
@@ -320,7 +323,7 @@ def serve_with_api_process(async_engine: AsyncEngine, command: Sequence[str],
             host.close()
         for end in (ours, theirs):
             end.close()
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(hello.tokenizer_dir, ignore_errors=True)
 
 
 def spawn(command: Sequence[str], sock: socket.socket,

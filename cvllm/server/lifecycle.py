@@ -45,8 +45,9 @@ _EXIT_MARGIN_S = 0.5  # the deadline fires this much before the promised bound
 
 def serve_until_signal(app: web.Application, settings: ServerSettings, engine: Any, *,
                        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-                       on_listening: Optional[Callable[[], None]] = None) -> None:
-    """Blocking: listen on settings.host:port, serve, drain on a signal, clean up."""
+                       on_listening: Optional[Callable[[Any], None]] = None) -> None:
+    """Blocking: listen on settings.host:port, serve, drain on a signal, clean up
+    (``on_listening(runner)`` once the port is bound)."""
     asyncio.run(serve_app(app, settings, engine, shutdown_timeout_s, on_listening))
 
 

@@ -4,8 +4,8 @@ channel (``utils/channel.py``; the other end is ``runtime/api_host.py``).
 Built once by ``server/api_process.py`` from the engine's HELLO; the handlers reach it
 through ``ServerContext.engine`` exactly as they reach an in-process ``AsyncEngine``.
 Requests go out as ADD frames and their outputs come back on one reader task, which
-hands each to its request's ``asyncio.Queue``; health and metrics arrive as STATUS frames
-and are read from here without a round trip. Tokenizing and chat templates run here, on
+hands each to its request's ``asyncio.Queue``; health arrives as STATUS frames and is read
+from here without a round trip, metrics are asked for at each scrape (an RPC). Tokenizing and chat templates run here, on
 a copy of the engine's tokenizer (checked against it at start-up), so the engine process
 spends nothing on them. Torch-free.
 """

@@ -20,10 +20,10 @@ from tests.engine.test_async_engine import CountingRunner, _engine, _wait, token
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
 
 
-async def _connect(engine, tok, tmp_path):
+async def _connect(engine, tok):
     ours, theirs = socket.socketpair()
     engine._defaults = {"temperature": 0.5}
-    host = ApiHost(engine, ours, make_hello(engine, {}, {}, 30.0, str(tmp_path)))
+    host = ApiHost(engine, ours, make_hello(engine, {}, {}, 30.0))
     host.start()
     engine.start()
     reader, writer = await asyncio.open_unix_connection(sock=theirs)
@@ -36,14 +36,26 @@ async def _connect(engine, tok, tmp_path):
     return host, remote, task, writer
 
 
+def _disconnect(engine, host, task=None, writer=None) -> None:
+    import shutil
+
+    if writer is not None:
+        writer.close()
+    if task is not None:
+        task.cancel()
+    host.close()
+    engine.shutdown(1.0)
+    shutil.rmtree(host._hello.tokenizer_dir, ignore_errors=True)
+
+
 async def _collect(engine, rid, prompt, params):
     return [o async for o in engine.generate(rid, prompt, params)]
 
 
-def test_requests_stream_through_the_channel(tokenizer, tmp_path):  # noqa: F811
+def test_requests_stream_through_the_channel(tokenizer):  # noqa: F811
     async def main():
         engine = _engine(tokenizer, CountingRunner(delay_s=0.003))
-        host, remote, task, writer = await _connect(engine, tokenizer, tmp_path)
+        host, remote, task, writer = await _connect(engine, tokenizer)
         assert remote.model_name == "m" and remote.default_params() == {"temperature": 0.5}
         assert remote.encode("hello there") == tokenizer.encode("hello there")
         msgs = [{"role": "user", "content": "hi"}]
@@ -78,18 +90,15 @@ def test_requests_stream_through_the_channel(tokenizer, tmp_path):  # noqa: F811
         remote.begin_drain()
         assert not remote.is_healthy()
         assert await _wait(lambda: not engine.is_healthy())
-        writer.close()
-        task.cancel()
-        host.close()
-        engine.shutdown(1.0)
+        _disconnect(engine, host, task, writer)
 
     asyncio.run(main())
 
 
-def test_a_failed_engine_fails_remote_requests(tokenizer, tmp_path):  # noqa: F811
+def test_a_failed_engine_fails_remote_requests(tokenizer):  # noqa: F811
     async def main():
         engine = _engine(tokenizer, CountingRunner(delay_s=0.003))
-        host, remote, task, writer = await _connect(engine, tokenizer, tmp_path)
+        host, remote, task, writer = await _connect(engine, tokenizer)
         gen = remote.generate("x", [7], SamplingParams(temperature=0, max_tokens=10_000))
         await gen.__anext__()
         engine.fail("rank 1 is gone")
@@ -99,18 +108,15 @@ def test_a_failed_engine_fails_remote_requests(tokenizer, tmp_path):  # noqa: F8
         assert await _wait(lambda: not remote.is_healthy())
         with pytest.raises(EngineDeadError):
             await _collect(remote, "y", [1], GREEDY)
-        writer.close()
-        task.cancel()
-        host.close()
-        engine.shutdown(1.0)
+        _disconnect(engine, host, task, writer)
 
     asyncio.run(main())
 
 
-def test_the_api_side_leaving_aborts_its_requests(tokenizer, tmp_path):  # noqa: F811
+def test_the_api_side_leaving_aborts_its_requests(tokenizer):  # noqa: F811
     async def main():
         engine = _engine(tokenizer, CountingRunner(delay_s=0.003))
-        host, remote, task, writer = await _connect(engine, tokenizer, tmp_path)
+        host, remote, task, writer = await _connect(engine, tokenizer)
         gen = remote.generate("z", [9], SamplingParams(temperature=0, max_tokens=10_000))
         await gen.__anext__()
         assert "z" in engine.engine.requests
@@ -119,16 +125,15 @@ def test_the_api_side_leaving_aborts_its_requests(tokenizer, tmp_path):  # noqa:
         assert await _wait(host.closed.is_set)
         assert await _wait(lambda: "z" not in engine.engine.requests)
         assert engine.num_in_flight() == 0
-        host.close()
-        engine.shutdown(1.0)
+        _disconnect(engine, host)
 
     asyncio.run(main())
 
 
-def test_the_engine_side_closing_ends_the_api_side(tokenizer, tmp_path):  # noqa: F811
+def test_the_engine_side_closing_ends_the_api_side(tokenizer):  # noqa: F811
     async def main():
         engine = _engine(tokenizer, CountingRunner(delay_s=0.003))
-        host, remote, task, writer = await _connect(engine, tokenizer, tmp_path)
+        host, remote, task, writer = await _connect(engine, tokenizer)
         gen = remote.generate("w", [9], SamplingParams(temperature=0, max_tokens=10_000))
         await gen.__anext__()
         host.close()  # rank 0 went away
@@ -137,6 +142,29 @@ def test_the_engine_side_closing_ends_the_api_side(tokenizer, tmp_path):  # noqa
             async for _ in gen:
                 pass
         assert not remote.is_ready() and not remote.is_healthy()
-        engine.shutdown(1.0)
+        _disconnect(engine, host)
 
     asyncio.run(main())
+
+
+def test_a_tokenizer_that_cannot_travel_is_refused_before_anything_starts(tokenizer, tmp_path):  # noqa: F811
+    """Saved and loaded back it must encode the probe as the original: else
+    ``TokenizerStaysError`` (``cvllm serve`` then serves from one process)."""
+    from types import SimpleNamespace
+
+    from cvllm.runtime.api_host import PROBE_TEXT, TokenizerStaysError, export_tokenizer
+
+    info = export_tokenizer(tokenizer, str(tmp_path / "ok"))
+    assert info["probe_ids"] == tokenizer.encode(PROBE_TEXT)
+
+    def no_save(folder):
+        raise OSError("read-only")
+
+    unsaveable = SimpleNamespace(hf=SimpleNamespace(save_pretrained=no_save),
+                                 encode=tokenizer.encode, chat_template_source="")
+    with pytest.raises(TokenizerStaysError, match="cannot be saved"):
+        export_tokenizer(unsaveable, str(tmp_path / "a"))
+    shifted = SimpleNamespace(hf=tokenizer.hf, chat_template_source="",
+                              encode=lambda text: [t + 1 for t in tokenizer.encode(text)])
+    with pytest.raises(TokenizerStaysError, match="encodes differently"):
+        export_tokenizer(shifted, str(tmp_path / "b"))
