@@ -16,6 +16,9 @@
 Reports both, their ratio, and the client's TTFT / ITL percentiles. ``--tp N`` runs both
 on N ranks (the engine alone under torchrun, every rank in the SPMD job, rank 0 timing;
 served as ``cvllm serve --d 0,..,N-1``); ``--isq TYPE`` quantizes both while loading.
+``--servers api,one`` serves twice in the same run: with the API process (the default of
+``cvllm serve``) and with ``--no-api-process`` (HTTP in rank 0's process); the ratio is
+reported for each.
 """
 
 from __future__ import annotations
@@ -86,12 +89,16 @@ def engine_rounds(llm, args: argparse.Namespace) -> Dict[str, Any]:
     return {"rounds": rounds, "output_throughput": max(x["output_throughput"] for x in rounds)}
 
 
-def served(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
+SERVER_FLAGS = {"api": [], "one": ["--no-api-process"]}
+"""``--servers`` names: the extra ``cvllm serve`` flags of each way of serving."""
+
+
+def served(args: argparse.Namespace, work: Path, flags: List[str]) -> Dict[str, Any]:
     cmd = [sys.executable, "-m", "cvllm", "serve", "--w", args.folder, "--load-format", "dummy",
            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.concurrency),
            "--d", ",".join(str(i) for i in range(args.tp))] \
-        + (["--isq", args.isq] if args.isq else []) + (["--cpu", "--mem", "64"] if args.cpu else [])
+        + (["--isq", args.isq] if args.isq else []) + (["--cpu", "--mem", "64"] if args.cpu else []) + flags
     env = dict(os.environ, CVLLM_NO_PROGRESS="1", NCCL_NVLS_ENABLE="0")
     log = open(work / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,7 +124,7 @@ def served(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
             if r:
                 rounds.append({k: rep.get(k) for k in ("output_throughput", "duration_s", "completed",
                                                        "failed", "all_full_length", "ttft_ms",
-                                                       "itl_ms", "tpot_ms")})
+                                                       "itl_ms", "tpot_ms", "client_cpu_fraction")})
         best = max(rounds, key=lambda x: x["output_throughput"])
         return {"rounds": rounds, "output_throughput": best["output_throughput"], "best": best}
     finally:
@@ -140,6 +147,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "runs under torchrun)")
     ap.add_argument("--isq", default=None, help="quantize the weights while loading (q4k, ...)")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (a smoke test of the tool)")
+    ap.add_argument("--servers", default="api",
+                    help="comma list of: api (cvllm serve's default, the API process), one "
+                    "(--no-api-process); each serves the same workload in turn")
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -153,6 +163,10 @@ def main() -> int:
         if result:  # rank 0
             print("RESULT " + json.dumps(result), flush=True)
         return 0
+    names = [x.strip() for x in args.servers.split(",") if x.strip()]
+    unknown = sorted(set(names) - set(SERVER_FLAGS))
+    if unknown or not names:
+        raise SystemExit(f"--servers: unknown {unknown or names}; choose from {sorted(SERVER_FLAGS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="cvllm-served-"))
     cfg = bm.build_config(args.config)
@@ -170,15 +184,22 @@ def main() -> int:
     if not lines:
         raise SystemExit(f"engine-alone run failed:\n{child.stdout[-3000:]}\n{child.stderr[-3000:]}")
     engine = json.loads(lines[-1][len("RESULT "):])
-    srv = served(args, work)
-    itl = srv["best"]["itl_ms"]
+    runs = {}
+    for name in names:
+        srv = served(args, work, SERVER_FLAGS[name])
+        itl = srv["best"]["itl_ms"]
+        runs[name] = {
+            "flags": SERVER_FLAGS[name], "served": srv,
+            "served_over_engine": round(srv["output_throughput"] / engine["output_throughput"], 3),
+            "itl_p99_over_p50": round(itl["p99"] / itl["p50"], 2) if itl and itl.get("p50") else None,
+        }
+    first = runs[names[0]]
     report = {
-        "schema": "cvllm-bench-served/1", "command": "python " + " ".join(sys.argv),
+        "schema": "cvllm-bench-served/2", "command": "python " + " ".join(sys.argv),
         "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
-        "tp": args.tp, "isq": args.isq,
-        "engine": engine, "served": srv,
-        "served_over_engine": round(srv["output_throughput"] / engine["output_throughput"], 3),
-        "itl_p99_over_p50": round(itl["p99"] / itl["p50"], 2) if itl and itl.get("p50") else None,
+        "tp": args.tp, "isq": args.isq, "engine": engine,
+        "served": first["served"], "served_over_engine": first["served_over_engine"],
+        "itl_p99_over_p50": first["itl_p99_over_p50"], "servers": runs,
     }
     try:
         import torch
@@ -188,10 +209,13 @@ def main() -> int:
         report["torch"] = torch.__version__
     except Exception:
         pass
-    print(json.dumps({k: report[k] for k in ("served_over_engine", "itl_p99_over_p50")}))
-    print(f"engine {engine['output_throughput']:.0f} tok/s, served {srv['output_throughput']:.0f} "
-          f"tok/s, TTFT p50 {srv['best']['ttft_ms']['p50']:.0f} ms, ITL p50 {itl['p50']:.1f} "
-          f"p99 {itl['p99']:.1f} ms")
+    for name, run in runs.items():
+        best = run["served"]["best"]
+        print(f"[{name}] engine {engine['output_throughput']:.0f} tok/s, served "
+              f"{run['served']['output_throughput']:.0f} tok/s ({run['served_over_engine']:.2f}x), "
+              f"TTFT p50 {best['ttft_ms']['p50']:.0f} ms, ITL p50 {best['itl_ms']['p50']:.1f} "
+              f"p99 {best['itl_ms']['p99']:.1f} ms ({run['itl_p99_over_p50']}x), client CPU "
+              f"{best.get('client_cpu_fraction') or 0:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -41,6 +41,9 @@ next to it (throughput and TTFT against concurrency; ``--plot`` names it otherwi
 message says why none was made). Level i uses seed ``--seed`` + i and its own system
 prompt, so a level does not find the previous level's prompts in the cache.
 
+The client's own CPU time over the run's wall time is reported as ``client_cpu_fraction``
+(random workload): near 1.0 the client, one Python process, may be what limits the figures.
+
 Safety: only loopback addresses unless ``--allow-remote``; the request count, each
 request (``--request-timeout``) and the whole run (``--timeout``, per level) are bounded.
 """
@@ -271,9 +274,9 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
                                          args.request_timeout)
 
         tasks = [asyncio.ensure_future(limited(p)) for p in prompts]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         done, pending = await asyncio.wait(tasks, timeout=args.timeout)
-        duration = time.perf_counter() - t0
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -281,6 +284,7 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
     results = [t.result() if t in done else RequestResult(error="run timed out") for t in tasks]
     rep = summarize(args, model, url, results, duration)
     rep["prefix_cache_metrics"] = metrics_hit_rate(counters0, counters1)
+    rep["client_cpu_fraction"] = cpu / duration if duration > 0 else None
     return rep
 
 

@@ -53,11 +53,17 @@ def test_bench_served_compares_the_same_workload(tmp_path):
     cfg.write_text(json.dumps(bm.build_config(tiny=True)))
     out = tmp_path / "served.json"
     _run([TOOLS / "bench_served.py", "--config", cfg, "--concurrency", "4", "--input-len", "8",
-          "--output-len", "8", "--rounds", "1", "--port", free_port(), "--out", out])
+          "--output-len", "8", "--rounds", "1", "--port", free_port(), "--servers", "api,one",
+          "--out", out])
     rep = json.loads(out.read_text())
     assert rep["engine"]["rounds"][0]["output_tokens"] == 4 * 8
-    assert rep["served"]["best"]["completed"] == 4 and rep["served"]["best"]["all_full_length"]
-    assert rep["served_over_engine"] > 0
+    assert set(rep["servers"]) == {"api", "one"}
+    assert rep["servers"]["one"]["flags"] == ["--no-api-process"]
+    for run in rep["servers"].values():
+        best = run["served"]["best"]
+        assert best["completed"] == 4 and best["all_full_length"]
+        assert run["served_over_engine"] > 0 and 0 < best["client_cpu_fraction"] < 2
+    assert rep["served"] == rep["servers"]["api"]["served"]
 
 
 @pytest.mark.mpi
