@@ -75,7 +75,13 @@ def _model_options(f: Callable) -> Callable:
                      help="Most tokens' worth of cached prefix blocks kept while no request "
                           "uses them (default: until the free blocks run out)."),
         click.option("--disable-cuda-graph", is_flag=True,
-                     help="Launch decode steps eagerly instead of replaying CUDA graphs."),
+                     help="Launch every step eagerly instead of replaying CUDA graphs."),
+        click.option("--cuda-graph-max-tokens", type=click.IntRange(min=0), default=512,
+                     show_default=True,
+                     help="CUDA: steps with prompt tokens (new prompts' chunks, prefix-cache "
+                          "hits' suffixes, and the decodes beside them) of at most this many "
+                          "tokens replay CUDA graphs captured around the attention; 0 runs "
+                          "them eagerly."),
         click.option("--attention-backend", type=click.Choice(["auto", "triton", "torch_ref"]),
                      default="auto", show_default=True,
                      help="auto: Triton on CUDA, the torch reference on the CPU."),
@@ -210,6 +216,7 @@ def engine_options(kw: Dict[str, Any]) -> Dict[str, Any]:
         served_model_name=kw.get("served_model_name"),
         yarn_scaling_factor=kw.get("yarn_scaling_factor"),
         disable_cuda_graph=kw.get("disable_cuda_graph", False),
+        cuda_graph_max_tokens=kw.get("cuda_graph_max_tokens", 512),
         fp8_kvcache=kw.get("fp8_kvcache", False),
         disable_prefix_cache=kw.get("disable_prefix_cache", False),
         prefix_cache_max_tokens=kw.get("prefix_cache_max_tokens"),

@@ -241,6 +241,10 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     """Launch every step eagerly on CUDA (``--disable-cuda-graph``). Pure-decode steps are
     still padded to the capture sizes, so outputs do not change (``worker/cuda_graph.py``)."""
+    cuda_graph_max_tokens: int = 512
+    """Steps with prompt tokens of at most this many tokens replay CUDA graphs captured
+    piece by piece around the attention (``worker/mixed_graph.py``,
+    ``--cuda-graph-max-tokens``); 0: they run eagerly, unpadded."""
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, the torch reference on the CPU), ``triton`` or
     ``torch_ref`` (``--attention-backend``; ``attention/backend.py``)."""
@@ -253,6 +257,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"--attention-backend must be one of "
                               f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError(f"--cuda-graph-max-tokens must be >= 0, got "
+                              f"{self.cuda_graph_max_tokens}")
         if self.max_gen_tokens <= 0:
             self.max_gen_tokens = min(max(self.model.max_model_len // 5, 128), 16384)
         self.scheduler.max_model_len = self.model.max_model_len

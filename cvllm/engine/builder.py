@@ -120,6 +120,7 @@ def build_engine_config(
     disable_cuda_graph: bool = False, attention_backend: str = "auto", fp8_kvcache: bool = False,
     disable_prefix_cache: bool = False, prefix_cache_max_tokens: Optional[int] = None,
     isq: Optional[str] = None, dequantize: bool = False, cpu_dense_gb: Optional[float] = None,
+    cuda_graph_max_tokens: int = 512,
     *, tp_size: int = 1, device: Optional[DeviceConfig] = None,
 ) -> EngineSetup:
     """Check every option and read the model's config (no weights): the same on every
@@ -138,6 +139,8 @@ def build_engine_config(
         raise ConfigError(f"--max-model-len must be >= 0 (0: the model's own), got {max_model_len}")
     if max_gen_tokens < 0:
         raise ConfigError(f"--max-gen-tokens must be >= 0 (0: derived), got {max_gen_tokens}")
+    if cuda_graph_max_tokens < 0:
+        raise ConfigError(f"--cuda-graph-max-tokens must be >= 0, got {cuda_graph_max_tokens}")
     if yarn_scaling_factor is not None and not (math.isfinite(yarn_scaling_factor)
                                                 and yarn_scaling_factor >= 1.0):
         raise ConfigError(f"--yarn-scaling-factor must be a number >= 1, got {yarn_scaling_factor}")
@@ -170,7 +173,7 @@ def build_engine_config(
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
         served_model_name=served_model_name or _default_name(source),
         defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
-        attention_backend=attention_backend,
+        cuda_graph_max_tokens=int(cuda_graph_max_tokens), attention_backend=attention_backend,
         quant=_quant_config(source, isq, dequantize, cpu_dense_gb),
     )
     return EngineSetup(config, source, defaults)

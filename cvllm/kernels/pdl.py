@@ -87,6 +87,19 @@ def graph_launches():
         _GRAPH_LAUNCHES.on = before
 
 
+@contextlib.contextmanager
+def eager_launches():
+    """Within: launches take no ``launch_pdl`` even inside ``graph_launches``: the
+    attention launched eagerly between the captured pieces of a mixed step
+    (``worker/mixed_graph.py``) in its warm-up forward, as it will be at every replay."""
+    before = getattr(_GRAPH_LAUNCHES, "on", False)
+    _GRAPH_LAUNCHES.on = False
+    try:
+        yield
+    finally:
+        _GRAPH_LAUNCHES.on = before
+
+
 def launch_args(x: torch.Tensor) -> dict:
     """Launch options of a kernel on ``x``'s device that waits (``gdc_wait``) before it
     reads anything an earlier kernel wrote: ``launch_pdl`` where PDL is ``enabled`` and a

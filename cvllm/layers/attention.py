@@ -9,11 +9,18 @@ a sliding window live in their window's group, whose out-of-window blocks get fr
 Given the layer's rotary embedding and the positions, it rotates q and k itself, or,
 when the backend says it ``fuses_rope`` (the Triton backend), hands it the rotation as
 ``RopeInputs`` so that one kernel rotates q and k and writes the K/V cache.
+
+``split_at_attention(hook)``: while it is active, every ``Attention.forward`` call goes to
+``hook(layer, query, key, value, kv_cache, attn_metadata, positions, rotary_emb)``
+instead, which returns the ``[T, H*D]`` output. ``worker/mixed_graph.py`` uses it to
+capture a step's forward as CUDA-graph pieces with the attention left out between them;
+the attention it then runs itself, through ``attend``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -24,6 +31,23 @@ from cvllm.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from cvllm.layers.rotary import RotaryEmbedding
+
+
+AttentionHook = Callable[..., torch.Tensor]
+_HOOK: list = [None]  # the active split_at_attention hook, or None
+
+
+@contextlib.contextmanager
+def split_at_attention(hook: AttentionHook) -> Iterator[None]:
+    """Within: ``Attention.forward`` calls ``hook`` instead of attending (see the module
+    docstring). Not nested; one thread (the step's) at a time."""
+    if _HOOK[0] is not None:
+        raise RuntimeError("split_at_attention is already active")
+    _HOOK[0] = hook
+    try:
+        yield
+    finally:
+        _HOOK[0] = None
 
 
 class Attention(nn.Module):
@@ -61,10 +85,31 @@ class Attention(nn.Module):
         positions: Optional[torch.Tensor] = None,
         rotary_emb: Optional["RotaryEmbedding"] = None,
     ) -> torch.Tensor:
+        """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]`` (``attend``),
+        or whatever the active ``split_at_attention`` hook returns."""
+        hook = _HOOK[0]
+        if hook is not None:
+            return hook(self, query, key, value, kv_cache, attn_metadata, positions, rotary_emb)
+        return self.attend(query, key, value, kv_cache, attn_metadata, positions, rotary_emb)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        positions: Optional[torch.Tensor] = None,
+        rotary_emb: Optional["RotaryEmbedding"] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]``. With
         ``rotary_emb``, q and k (fresh projections, rotated in place) are first rotated at
         ``positions [T]``: by the backend together with its K/V write where it can
-        (``fuses_rope``), else here."""
+        (``fuses_rope``), else here. ``out [T, H*D]`` (contiguous): written and returned
+        instead of a new tensor, for a backend that takes ``out`` (``takes_out``)."""
+        if out is not None and not getattr(self.backend, "takes_out", False):
+            raise ValueError(f"attention backend {self.backend.name} takes no out tensor")
         rope = None
         if rotary_emb is not None:
             if positions is None:
@@ -89,6 +134,7 @@ class Attention(nn.Module):
             self.sliding_window,
             self.logits_soft_cap,
             **({"rope": rope} if rope is not None else {}),
+            **({"out": out.view(T, self.num_heads, self.head_size)} if out is not None else {}),
         )  # [T, H, D]
         return out.reshape(T, self.num_heads * self.head_size)
 

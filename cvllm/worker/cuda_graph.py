@@ -194,6 +194,8 @@ class CudaGraphRunner:
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         """Each graph's logits ``[bs, V]``, rewritten by every replay."""
+        self.pool = None
+        """The graphs' memory pool once captured (the mixed-step graphs share it)."""
 
     def padded_size(self, step: StepInput) -> Optional[int]:
         """The size this step runs at here, or None for the eager path."""
@@ -259,7 +261,7 @@ class CudaGraphRunner:
         if not self.capture_enabled:
             return
         torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         try:
             for bs in reversed(self.sizes):
                 with pdl.graph_launches():  # the launch options the capture will use

@@ -12,7 +12,9 @@ On CUDA: the KV cache gets ``--gpu-memory-fraction`` of what is left after profi
 largest step (``worker/memory.py``) unless ``--mem`` sizes it; attention layers run the
 Triton backend (``attention/backend.py``); pure-decode steps that fit a capture size run
 padded through ``worker/cuda_graph.py`` (graphs captured right after the KV cache is
-allocated, replayed unless ``--disable-cuda-graph``); rank 0 brings the sampled ids back
+allocated, replayed unless ``--disable-cuda-graph``), and steps with prompt tokens of up
+to ``--cuda-graph-max-tokens`` tokens run padded through ``worker/mixed_graph.py``
+(graphs captured piece by piece around the attention); rank 0 brings the sampled ids back
 with one device-to-host copy per step (``worker/output_copy.py``).
 """
 
@@ -50,6 +52,7 @@ from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
                                      patch_placeholders)
+from cvllm.worker.mixed_graph import MixedGraphRunner, token_sizes
 from cvllm.worker.output_copy import OutputCopy, PendingOutput, StepResult
 
 __all__ = ["ModelRunner", "PendingStep", "DeferredSampling", "StepResult", "model_cache_specs", "patch_placeholders"]
@@ -96,6 +99,8 @@ class ModelRunner:
                     self.kv_layout.num_state_slots)
         self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
         """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
+        self.mixed: Optional[MixedGraphRunner] = self._init_mixed_graphs()
+        """Padded steps with prompt tokens (same conditions, and --cuda-graph-max-tokens)."""
         if self.device.type == "cuda":
             secs = memory.warm_up_prefill(self.model, self.cache_specs,
                                           config.cache.block_size, self.device,
@@ -151,7 +156,8 @@ class ModelRunner:
                 self.model, self.cache_specs, block_size=cache.block_size,
                 num_tokens=sched.max_step_tokens, max_seqs=sched.max_num_seqs,
                 max_len=min(sizing.max_chunk, sizing.max_model_len),
-                decode_rows=capture_sizes(sched.max_num_seqs)[-1] if capture else 0,
+                decode_rows=max([capture_sizes(sched.max_num_seqs)[-1],
+                                 *self._mixed_sizes()[-1:]]) if capture else 0,
                 device=self.device,
             )
             budget = memory.kv_cache_budget(profile, cache.gpu_memory_fraction,
@@ -193,6 +199,33 @@ class ModelRunner:
             logger.info("CUDA graphs off: decode steps run padded to %s, eagerly", graphs.sizes)
         return graphs
 
+    def _mixed_sizes(self) -> List[int]:
+        return token_sizes(self.config.cuda_graph_max_tokens,
+                           self.config.scheduler.max_step_tokens)
+
+    def _init_mixed_graphs(self) -> Optional[MixedGraphRunner]:
+        """Padded steps with prompt tokens, captured after the decode graphs into their
+        pool (CUDA, graph-safe models, ``--cuda-graph-max-tokens`` > 0)."""
+        sizes = self._mixed_sizes()
+        if self.graphs is None or not sizes:
+            return None
+        mixed = MixedGraphRunner(
+            self.model, self.kv_caches, sizes=sizes, block_size=self.config.cache.block_size,
+            windows=self.kv_layout.windows, device=self.device,
+            capture=not self.config.disable_cuda_graph and bool(self.graphs.graphs))
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        mixed.capture(self.graphs.pool)
+        if mixed.graphs:
+            logger.info("CUDA graphs: steps with prompt tokens at %d sizes up to %d tokens "
+                        "captured in %.1f s (%d pieces each, %.0f MiB)", len(mixed.graphs),
+                        mixed.sizes[-1], time.perf_counter() - start,
+                        len(mixed.graphs[mixed.sizes[-1]]),
+                        (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
+        else:
+            logger.info("steps with prompt tokens up to %d tokens run padded to %s, eagerly",
+                        mixed.sizes[-1], mixed.sizes)
+        return mixed
+
     # ---------------------------------------------------------------- step
     def execute(self, step: StepInput, sampling: Optional[SamplingBatch] = None
                 ) -> Optional[StepResult]:
@@ -226,9 +259,12 @@ class ModelRunner:
                 raise StepInputError(f"step {step.step_id} patches ids the previous step "
                                      "did not sample")
         bs = self.graphs.padded_size(step) if self.graphs is not None else None
+        tokens = self.mixed.padded_size(step) if bs is None and self.mixed is not None else None
         S = len(step.logits_indices)
         if bs is not None:  # every row samples; the LM head ran in the graph
             logits = self.graphs.run(step, bs, prev)[:S]  # [S, V] float32
+        elif tokens is not None:  # [tokens, hidden]: rows past the step's are padding
+            hidden = self.mixed.run(step, tokens, self._build_metadata(step), prev)
         else:
             hidden = self._forward_eager(step, prev)  # [T, hidden]
         self._prev_sampled = None

@@ -27,6 +27,19 @@ def test_flags_are_documented_and_passed_through(monkeypatch):
     assert seen["disable_cuda_graph"] is True and seen["attention_backend"] == "torch_ref"
     CliRunner().invoke(cli.main, ["generate", "--prompt", "hi"])
     assert seen["disable_cuda_graph"] is False and seen["attention_backend"] == "auto"
+    assert seen["cuda_graph_max_tokens"] == 512
+    CliRunner().invoke(cli.main, ["generate", "--prompt", "hi", "--cuda-graph-max-tokens", "0"])
+    assert seen["cuda_graph_max_tokens"] == 0
+    result = CliRunner().invoke(cli.main, ["generate", "--prompt", "hi",
+                                           "--cuda-graph-max-tokens", "-1"])
+    assert result.exit_code == 2 and "--cuda-graph-max-tokens" in result.output
+
+
+def test_negative_cuda_graph_max_tokens_is_refused():
+    hf = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, vocab_size=16)
+    with pytest.raises(ConfigError, match="--cuda-graph-max-tokens"):
+        EngineConfig(model=ModelConfig("X", hf), cache=CacheConfig(), scheduler=SchedulerConfig(),
+                     device=DeviceConfig(), cuda_graph_max_tokens=-1)
 
 
 def test_bad_backend_is_refused():

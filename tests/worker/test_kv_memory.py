@@ -140,9 +140,13 @@ def test_runner_sizes_the_cache_from_the_profile(monkeypatch):
     layout = runner._plan_kv_cache(capture=True)
     assert layout.groups[0].num_blocks == 50
     assert calls[0]["num_tokens"] == 64 and calls[0]["max_len"] == 64
-    assert calls[0]["decode_rows"] == 4  # graph pool margin for the largest capture size
+    # graph pool margin: the largest decode (4 rows) or mixed step (64 tokens, the budget)
+    assert calls[0]["decode_rows"] == 64
     runner._plan_kv_cache(capture=False)
     assert calls[1]["decode_rows"] == 0
+    runner.config.cuda_graph_max_tokens = 0  # no mixed graphs: the largest decode size
+    runner._plan_kv_cache(capture=True)
+    assert calls[2]["decode_rows"] == 4
     # 8 blocks of 16 tokens cannot hold one 128-token sequence: refused, clearly.
     small = memory.MemoryProfile(total=14 * per_block, non_torch=0, weights=0,
                                  peak_activation=0, graph_margin=0)

@@ -79,10 +79,11 @@ def forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     rope: Optional[RopeInputs] = None,
+    out: Optional[torch.Tensor] = None,  # [T, H, D], like q
 ) -> torch.Tensor:
     """Write K/V (rotating q and k first when given ``rope``), then attend every
-    sequence's queries over its cached context, causally. Returns ``[T, H, D]``; rows of
-    padding tokens (past ``meta.num_tokens``) are zero."""
+    sequence's queries over its cached context, causally. Returns ``[T, H, D]`` (``out``
+    when given); rows of padding tokens (past ``meta.num_tokens``) are zero."""
     n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
     _check_meta(q, k_cache, meta)
     if rope is None:
@@ -90,8 +91,13 @@ def forward(
     else:
         rotary_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, n, rope)
     scales = dict(k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))  # None unless FP8
-    out = torch.empty_like(q)  # [T, H, D]
-    out[n:].zero_()
+    if out is None:
+        out = torch.empty_like(q)  # [T, H, D]
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous and like q "
+                         f"{tuple(q.shape)} {q.dtype}")
+    if n < out.shape[0]:
+        out[n:].zero_()
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
     if nd:
@@ -125,5 +131,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     fuses_rope = True  # forward(..., rope=) rotates q and k with the K/V write
+    takes_out = True  # forward(..., out=) writes a given tensor
     write_kv = staticmethod(write_kv)
     forward = staticmethod(forward)
