@@ -107,6 +107,22 @@ def test_large_m_dequantize_path_and_bias():
     _close(y, x @ ref.t() + bias, 0.015)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_large_m_multiplies_in_float32_without_amx(monkeypatch, amx):
+    """Without AMX the dequantized weight multiplies x in float32 (a bf16 matmul is 3-4x
+    slower there); with it, in bf16: exactly ``F.linear`` on that dtype's dequantized
+    weight, whatever x's dtype."""
+    monkeypatch.setattr(ggml_cpu, "batch_copy_pays", lambda: amx)
+    dt = torch.bfloat16 if amx else torch.float32
+    assert ggml_cpu.dequant_dtype() == dt
+    t = GgmlType.Q4_K
+    w = ggml_cpu.prepare(_random_raw(t, N, K, seed=5), t, torch.float32)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(ggml_cpu.DEQUANT_MIN_M, K).to(x_dtype)
+        want = torch.nn.functional.linear(x.to(dt), ggml_cpu.dequantize(w, dt)).to(x_dtype)
+        torch.testing.assert_close(ggml_cpu.linear(x, w), want, rtol=0, atol=0)
+
+
 def test_dense_from_m_keeps_a_bf16_copy_for_batches():
     t = GgmlType.Q8_0
     raw = _random_raw(t, N, K, seed=3)

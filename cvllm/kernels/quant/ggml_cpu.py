@@ -68,8 +68,9 @@ DENSE_TYPES = frozenset({GgmlType.Q6_K})
 """Types kept as a dense copy in the activation dtype (see the module docstring)."""
 
 DEQUANT_MIN_M = 128
-"""From this many rows of ``x`` (prefill), dequantizing the weight to bf16 (about 2.5 ns
-an element on one core) and calling ``F.linear`` (oneDNN, AMX) beats the int4 kernel,
+"""From this many rows of ``x`` (prefill), dequantizing the weight (to bf16 on CPUs with
+AMX, float32 on others: ``dequant_dtype``; about 2.5 ns an element on one core) and
+calling ``F.linear`` (oneDNN) beats the int4 kernel,
 whose time grows with every 4 rows because it decodes the weight again for each 4-row
 tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 planes
 (one thread, 3072 x 576: int4 at 256 rows 9.9 ms, dequantize 4.6 ms + F.linear 0.8 ms)."""
@@ -275,6 +276,15 @@ def batch_copy_pays() -> bool:
         return False
 
 
+def dequant_dtype() -> torch.dtype:
+    """What a prefill-sized ``x`` (``DEQUANT_MIN_M`` rows) and the weight dequantized for it
+    are multiplied in: bf16 where AMX tiles multiply it (``batch_copy_pays``), else float32.
+    Without AMX a bf16 matmul runs 3-4x slower than float32 (2-core Xeon without AMX,
+    torch 2.13, 128 x 576 by 3072 x 576: bf16 7.6 ms, float32 2.1 ms), and the weight
+    dequantized to bf16 then cost the default model 0.87 s of matmuls a 128-token step."""
+    return torch.bfloat16 if batch_copy_pays() else torch.float32
+
+
 def batch_copy_bytes(t: GgmlType, shape: Tuple[int, int]) -> int:
     """Bytes of the bf16 copy ``prepare(batch_copy=True)`` adds: none for ``DENSE_TYPES``
     (already dense) and ``ONE_PLANE_TYPES`` (``BATCH_COPY_FROM_M``: no gain)."""
@@ -331,11 +341,18 @@ def linear(x: torch.Tensor, w: CpuGgmlWeight, bias: Optional[torch.Tensor] = Non
     # A decode step calls this about 120 times (the default model): every torch op
     # skipped here (casts that are no-ops, copies of contiguous tensors) is ~1 us off it.
     m = x.shape[0]
+    if m >= DEQUANT_MIN_M and (w.batch_dense is None or m < w.dense_from_m):
+        dt = dequant_dtype()
+        xd = x if x.dtype == dt else x.to(dt)
+        y = F.linear(xd, dequantize(w, dt))  # [M, N]
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + (bias if bias.dtype == x.dtype else bias.to(x.dtype))
+        return y
     xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # contiguous
     if w.batch_dense is not None and m >= w.dense_from_m:
         y = F.linear(xb, w.batch_dense)  # [M, N]
-    elif m >= DEQUANT_MIN_M:
-        y = F.linear(xb, dequantize(w, torch.bfloat16))  # [M, N]
     else:
         if w.planes > 1:
             xb = xb.repeat(1, w.planes)  # [M, P * K]: one copy of x per plane
@@ -387,11 +404,12 @@ def _dequant_rows(w: CpuGgmlWeight, rows: Optional[torch.Tensor], dtype: torch.d
         return _ref_dequantize(w.raw if rows is None else w.raw[rows], w.ggml_type, dtype)
     codes = _codes_of_rows(w.packed, w.planes * k, rows)  # [T, P * K]
     sz = w.scales_zeros if rows is None else w.scales_zeros[:, rows]  # [P * K / G, T, 2]
-    sz = sz.float().transpose(0, 1)  # [T, P * K / G, 2]
+    s, z = (sz[..., i].t().float().unsqueeze(-1) for i in (0, 1))  # [T, P * K / G, 1] each
     t = codes.shape[0]
-    vals = (codes.view(t, -1, GROUP).float() - 8) * sz[..., :1] + sz[..., 1:]  # [T, PK/G, G]
-    out = vals.view(t, w.planes, k).sum(dim=1)  # [T, K]
-    return out.to(dtype)
+    # in place on one float32 tensor: (c - 8) * s + z, the kernel's arithmetic
+    vals = codes.view(t, -1, GROUP).float().sub_(8).mul_(s).add_(z)  # [T, PK/G, G]
+    out = vals.view(t, k) if w.planes == 1 else vals.view(t, w.planes, k).sum(dim=1)  # [T, K]
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def dequantize(w: CpuGgmlWeight, dtype: torch.dtype) -> torch.Tensor:
