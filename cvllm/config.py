@@ -139,6 +139,11 @@ class SchedulerConfig:
     """Most prompt tokens of one sequence per step, a cap under the step budget (several
     long prompts then share a step); None: no cap but the budget; 0 disables chunking (a
     prompt is computed in one step or waits)."""
+    chunk_context_tokens: int = 0
+    """Context length at which a prompt token's attention costs about what its matmuls cost
+    (``attention_parity_context``); when set, a prompt chunk past it is cut so that its
+    whole work fits the step budget (``chunk_cap``). 0: off (chunks follow the token
+    budget alone). ``engine/builder.py`` sets it on the CPU."""
     max_num_batched_tokens: int = 0
     """Token budget of one step (--max-num-batched-tokens), shared by the decodes (one
     token each, scheduled first and even past it) and the prefill chunks. 0 derives it:
@@ -170,6 +175,22 @@ class SchedulerConfig:
     def chunk_limit(self) -> int:
         """Most prompt tokens one sequence may take in one step."""
         return self.prefill_chunk_size or self.max_model_len
+
+    def chunk_cap(self, context: int) -> int:
+        """Most prompt tokens one sequence with ``context`` tokens computed may take in one
+        step: ``chunk_limit``, and, with ``chunk_context_tokens`` (C), the most tokens n
+        whose work n * (1 + (context + n / 2) / C) -- matmuls, plus attention over the
+        context and the chunk itself -- fits the step budget, never fewer than an eighth
+        of it. A stream's gap between tokens then stays about one budget's worth of work
+        however long the prompt beside it has grown."""
+        limit = self.chunk_limit
+        c = self.chunk_context_tokens
+        if c <= 0 or self.prefill_chunk_size == 0:
+            return limit
+        budget = self.max_num_batched_tokens
+        a = 1.0 + context / c  # work of a token at this context, in tokens
+        n = int(c * (math.sqrt(a * a + 2.0 * budget / c) - a))  # n^2/(2c) + a n = budget
+        return max(1, min(limit, max(n, budget // 8)))
 
     @property
     def max_step_tokens(self) -> int:

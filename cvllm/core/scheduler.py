@@ -22,7 +22,9 @@ Policy, per step, under the token budget ``max_num_batched_tokens`` (B) and
      are never held back by a prefill: they take the budget first, and they are
      scheduled even past it (a step then has at most ``max(B, max_num_seqs)`` tokens);
   2. RUNNING sequences still catching up (chunked prefill), oldest first, up to
-     ``chunk_limit`` each, from what the decodes left. While WAITING sequences could be
+     ``chunk_cap`` each (``chunk_limit``, and where ``chunk_context_tokens`` is set --
+     the CPU -- fewer tokens the longer the context they attend over), from what the
+     decodes left. While WAITING sequences could be
      admitted, these chunks leave part of it for them (``_reserve_for_waiting``: what
      the waiting sequences ask for, at most half), so a request that arrives while a long
      prompt is being prefilled is admitted in the next step and starts its own prefill
@@ -355,7 +357,7 @@ class Scheduler:
             seq = entry.seq
             if entry.samples:
                 continue  # a decode, or a chunk that completes its sequence's tokens
-            room = self.config.chunk_limit - entry.num_new_tokens
+            room = self.config.chunk_cap(entry.start) - entry.num_new_tokens
             extra = min(seq.num_uncomputed_tokens, room, step.budget)
             while extra > 0 and not kv.can_allocate(seq, extra):
                 extra -= (seq.num_computed_tokens + extra) % bs or bs  # one block less
@@ -420,7 +422,7 @@ class Scheduler:
         remaining = seq.num_uncomputed_tokens
         if remaining < 1:
             raise RuntimeError(f"{seq!r} has no token left to compute")
-        n = min(remaining, self.config.chunk_limit, budget)
+        n = min(remaining, self.config.chunk_cap(seq.num_computed_tokens), budget)
         if self.config.prefill_chunk_size == 0 and n < remaining:
             return 0  # chunking disabled: all or nothing
         return n

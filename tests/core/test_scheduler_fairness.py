@@ -157,3 +157,68 @@ def test_random_arrivals_keep_every_invariant_and_finish():
         _, finished = run_all(sched, token_fn=lambda s: 1000 + s.seq_id)
         assert all(s.is_finished() for s in seqs), trial
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+
+
+# ---- chunks cut by the context they attend over (chunk_context_tokens; the CPU default) --
+
+def _cap_config(budget=128, c=3072, chunk=None, max_model_len=16384):
+    return SchedulerConfig(max_num_seqs=8, max_model_len=max_model_len, prefill_chunk_size=chunk,
+                           max_num_batched_tokens=budget, chunk_context_tokens=c)
+
+
+def test_chunk_cap_fits_the_budget_and_shrinks_with_the_context():
+    cfg = _cap_config()
+    caps = [cfg.chunk_cap(ctx) for ctx in (0, 1000, 3000, 8000, 16000, 10**6)]
+    assert caps == sorted(caps, reverse=True) and caps[0] < 128 and caps[-1] == 128 // 8
+    for ctx, n in zip((0, 1000, 3000, 8000), caps):
+        work = lambda k: k * (1 + (ctx + k / 2) / 3072)  # noqa: E731
+        assert work(n) <= 128 < work(n + 1)  # the most tokens whose work fits the budget
+    assert _cap_config(c=0).chunk_cap(8000) == cfg.chunk_limit  # off
+    no_chunks = _cap_config(chunk=0, max_model_len=256)
+    assert no_chunks.chunk_cap(8000) == no_chunks.chunk_limit  # all or nothing stays so
+    assert _cap_config(chunk=40).chunk_cap(0) == 40  # never past --prefill-chunk-size
+
+
+def test_a_long_prompts_chunks_shrink_while_decodes_and_a_new_request_still_run():
+    sched = Scheduler(_cap_config(budget=128, c=512, max_model_len=4096),
+                      BlockManager(512, 16))
+    _decoding(sched, 0, max_tokens=1000)
+    long = make_seq(1, 3000, max_tokens=1)
+    sched.add(long)
+    chunks, short = [], None
+    while long.num_computed_tokens < 3000:
+        if len(chunks) == 5:
+            short = make_seq(2, 20, max_tokens=2)
+            sched.add(short)
+        out, _ = step(sched)
+        rows = {e.seq.seq_id: e.num_new_tokens for e in out.scheduled}
+        assert rows[0] == 1  # the stream decodes every step
+        chunks.append((rows[1] if 1 in rows else 0, out.scheduled))
+        ctx = long.num_computed_tokens - chunks[-1][0]
+        assert chunks[-1][0] <= sched.config.chunk_cap(ctx)
+    sizes = [n for n, _ in chunks if n]
+    assert sizes[0] > 2 * sizes[-1] and sizes[-1] >= 128 // 8  # shrinking, never starved
+    assert short.num_computed_tokens >= 20  # admitted beside the long prompt
+
+
+def test_parity_context_comes_from_the_config_and_is_set_on_the_cpu(tmp_path):
+    from cvllm.config import ModelConfig
+    from cvllm.engine.builder import attention_parity_context, build_engine_config
+    from tests.worker.tiny_llama import write_tiny_llama
+
+    def cfg(**hf):
+        return ModelConfig("LlamaForCausalLM", dict(num_hidden_layers=2, vocab_size=64, **hf))
+
+    smol = cfg(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+               num_key_value_heads=3)
+    llama8b = cfg(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8)
+    assert attention_parity_context(smol) == 3072
+    assert attention_parity_context(llama8b) == 26624
+    moe = cfg(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_experts_per_tok=2, shared_expert_intermediate_size=48,
+              num_attention_heads=4, num_key_value_heads=2)
+    assert attention_parity_context(moe) == (64 * (2 * 64 + 2 * 32) + 3 * 64 * 112) // 128
+    setup = build_engine_config(weight_path=str(write_tiny_llama(tmp_path)), cpu=True)
+    sched = setup.config.scheduler
+    assert sched.chunk_context_tokens == attention_parity_context(setup.config.model) > 0
