@@ -172,6 +172,9 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
                           vocab)
             res["batch64_output_tokens_per_s"] = b64["output_throughput"]
             res["batch64_tpot_ms"] = b64["tpot_ms"]
+            # where a slow round's time went: first tokens late, or the decode
+            res["batch64_ttft_ms"] = b64["ttft_ms"]
+            res["batch64_duration_s"] = b64["duration_s"]
             res["all_full_length"] = res["all_full_length"] and b64["all_full_length"]
             res["failed"] += b64["failed"]
         if args.agree_prompts:

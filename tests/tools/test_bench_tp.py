@@ -90,7 +90,7 @@ def test_tp2_serves_the_tp1_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_tp.py"), "--cpu", "--config", str(cfg),
          "--tp", "1,2", "--input-len", "8", "--output-len", "8", "--batch1-requests", "1",
-         "--batch64-requests", "0", "--agree-prompts", "3", "--agree-tokens", "8",
+         "--batch64-requests", "4", "--agree-prompts", "3", "--agree-tokens", "8",
          "--isq", "q8_0", "--port", str(free_port()), "--model-dir", str(tmp_path / "m"),
          "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=str(ROOT),
@@ -100,3 +100,6 @@ def test_tp2_serves_the_tp1_model(tmp_path):
     assert "error" not in tp1 and "error" not in tp2, (tp1, tp2)
     assert tp2["agreement"]["agrees"] and tp2["agreement"]["identical"] == 3, tp2["agreement"]
     assert tp1["all_full_length"] and tp2["all_full_length"]
+    for run in (tp1, tp2):  # the concurrency-64 round says where its time went
+        assert run["batch64_output_tokens_per_s"] > 0 and run["batch64_duration_s"] > 0
+        assert 0 < run["batch64_ttft_ms"]["p50"] <= run["batch64_duration_s"] * 1000
