@@ -341,19 +341,14 @@ def linear(x: torch.Tensor, w: CpuGgmlWeight, bias: Optional[torch.Tensor] = Non
     # A decode step calls this about 120 times (the default model): every torch op
     # skipped here (casts that are no-ops, copies of contiguous tensors) is ~1 us off it.
     m = x.shape[0]
-    if m >= DEQUANT_MIN_M and (w.batch_dense is None or m < w.dense_from_m):
-        dt = dequant_dtype()
-        xd = x if x.dtype == dt else x.to(dt)
-        y = F.linear(xd, dequantize(w, dt))  # [M, N]
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        if bias is not None:
-            y = y + (bias if bias.dtype == x.dtype else bias.to(x.dtype))
-        return y
-    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # contiguous
     if w.batch_dense is not None and m >= w.dense_from_m:
-        y = F.linear(xb, w.batch_dense)  # [M, N]
+        y = F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16),
+                     w.batch_dense)  # [M, N]
+    elif m >= DEQUANT_MIN_M:
+        dt = dequant_dtype()
+        y = F.linear(x if x.dtype == dt else x.to(dt), dequantize(w, dt))  # [M, N]
     else:
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # contiguous
         if w.planes > 1:
             xb = xb.repeat(1, w.planes)  # [M, P * K]: one copy of x per plane
         elif not xb.is_contiguous():
