@@ -24,8 +24,8 @@ Policy, per step, under the token budget ``max_num_batched_tokens`` (B) and
   2. RUNNING sequences still catching up (chunked prefill), oldest first, up to
      ``chunk_cap`` each (``chunk_limit``, and where ``chunk_context_tokens`` is set --
      the CPU -- fewer tokens the longer the context they attend over), from what the
-     decodes left. While WAITING sequences could be
-     admitted, these chunks leave part of it for them (``_reserve_for_waiting``: what
+     decodes left. While WAITING sequences could be admitted, these chunks leave part
+     of it for them (``_reserve_for_waiting``: what
      the waiting sequences ask for, at most half), so a request that arrives while a long
      prompt is being prefilled is admitted in the next step and starts its own prefill
      beside it; what the admissions do not use goes back to the running chunks;
