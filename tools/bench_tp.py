@@ -6,23 +6,27 @@
 
 For each TP size it starts ``cvllm serve --d 0,..,tp-1`` (spawn mode: one process per
 GPU; the all-reduces of ``distributed/comm.py``, custom or NCCL, as ``CVLLM_ALLREDUCE``
-chooses) on an 8B Llama-3.1-shaped folder (or ``--config``) with random weights
-(``--load-format dummy``), waits for ``/health``, then drives it with
+chooses) on an 8B Llama-3.1-shaped folder (or ``--config``) with seeded random weights
+written once as safetensors (``--weights random``; ``--weights dummy``: each rank draws
+its own shard, quicker, speed only), waits for ``/health``, then drives it with
 ``tools/bench_serving.py``:
 - batch-1 decode: ``--concurrency 1`` requests one after another, tokens/s of one stream
   = 1000 / mean TPOT (time per output token after the first);
-- batch-64 throughput: 64 concurrent requests, output tokens/s over the run
-  (``--batch64-requests 0`` skips it).
+- batch-64 throughput: 64 concurrent requests, output tokens/s over the run, with the
+  round's first-token percentiles and duration and the server's /metrics counters after
+  it (KV blocks, preemptions, steps, queue time) (``--batch64-requests 0`` skips it).
 Prompts are random token ids, outputs a fixed length (ignore_eos). It reports each figure
-and the speed-ups over TP=1 (``speedup_batch1``, ``scaling_batch64``) in one JSON.
+and the speed-ups over TP=1 (``speedup_batch1``, ``scaling_batch64``) in one JSON, with
+each server's start-up notes (weights, memory plan, KV cache, CUDA graphs, all-reduce).
 HTTP streaming is in every figure alike, so the ratios compare the engines.
 
 ``--isq q4k`` (or any ``--isq`` type) quantizes the weights while loading, at every TP
 size alike. Each server also answers ``--agree-prompts`` fixed token-id prompts greedily
-(``--agree-tokens`` tokens, the top 5 log-probabilities of each), and every run is
+(``--agree-tokens`` tokens, the top 20 log-probabilities of each), and every run is
 compared with TP=1's (``agreement``): identical, or at the first divergence each side's
 token in the other's top 5, with both sides' log-probabilities of the two tokens there
-(the measured reason: a near tie that the ranks' different summation order can flip).
+and each token's rank in the other's top 20 (the measured reason: a near tie that the
+ranks' different summation order can flip).
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
     devices = ",".join(str(i) for i in range(tp))
     cmd = [sys.executable, "-m", "cvllm", "serve", "--w", str(folder), "--load-format",
            "dummy" if args.weights == "dummy" else "auto", "--d", devices, "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", "64"] + (["--isq", args.isq] if args.isq else []) \
+           "--max-num-seqs", str(args.max_num_seqs)] + (["--isq", args.isq] if args.isq else []) \
         + (["--cpu", "--mem", "64"] if args.cpu else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", CVLLM_NO_PROGRESS="1")
     log = open(work / f"serve-tp{tp}.log", "w")
@@ -175,19 +179,59 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
             # where a slow round's time went: first tokens late, or the decode
             res["batch64_ttft_ms"] = b64["ttft_ms"]
             res["batch64_duration_s"] = b64["duration_s"]
+            res["batch64_server"] = server_counters(url)
             res["all_full_length"] = res["all_full_length"] and b64["all_full_length"]
             res["failed"] += b64["failed"]
         if args.agree_prompts:
             res["greedy"] = greedy_outputs(url, agreement_prompts(args.agree_prompts, vocab),
                                            args.agree_tokens)
         log.flush()
-        res["allreduce"] = sorted({line.split("all-reduce:", 1)[1].strip() for line in
-                                   (work / f"serve-tp{tp}.log").read_text().splitlines()
+        lines = (work / f"serve-tp{tp}.log").read_text().splitlines()
+        res["allreduce"] = sorted({line.split("all-reduce:", 1)[1].strip() for line in lines
                                    if "all-reduce:" in line})
+        res["startup_notes"] = startup_notes(lines)
         return res
     finally:
         stop_server(proc)
         log.close()
+
+
+_NOTES = ("KV cache:", "memory:", "CUDA graphs", "weights", "all-reduce:")
+_COUNTERS = ("cvllm_kv_blocks_total", "cvllm_preemptions_total", "cvllm_steps_total",
+             "cvllm_prompt_tokens_total", "cvllm_generation_tokens_total",
+             "cvllm_prefix_cache_hits_total", "cvllm_request_queue_time_seconds_sum",
+             "cvllm_request_queue_time_seconds_count")
+
+
+def startup_notes(lines: List[str]) -> List[str]:
+    """The server log's lines on the KV cache size, the memory plan, the CUDA graphs and
+    the weights (rank 0's, without their time stamps): what a slow round is read against."""
+    notes = []
+    for line in lines:
+        for key in _NOTES:
+            if key in line:
+                text = line[line.index(key):].strip()
+                if text not in notes:
+                    notes.append(text)
+                break
+    return notes[:24]
+
+
+def server_counters(url: str) -> Dict[str, float]:
+    """The server's /metrics counters after a round (cumulative since its start): KV
+    blocks, preemptions, steps, tokens, prefix hits and the queue time of finished
+    requests; {} when /metrics cannot be read."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTERS:
+            out[name[len("cvllm_"):]] = float(value)
+    return out
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -212,6 +256,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--batch64-requests", type=int, default=64,
                     help="requests of the concurrency-64 run (0 skips it)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="the servers' --max-num-seqs (the batch-64 round's 64 requests "
+                         "all fit at the default)")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--isq", default=None,

@@ -103,3 +103,7 @@ def test_tp2_serves_the_tp1_model(tmp_path):
     for run in (tp1, tp2):  # the concurrency-64 round says where its time went
         assert run["batch64_output_tokens_per_s"] > 0 and run["batch64_duration_s"] > 0
         assert 0 < run["batch64_ttft_ms"]["p50"] <= run["batch64_duration_s"] * 1000
+        counters = run["batch64_server"]  # and what the server says of it
+        assert counters["kv_blocks_total"] > 0 and counters["preemptions_total"] == 0
+        assert counters["generation_tokens_total"] >= 5 * 8, counters  # b1 + 4 requests
+        assert any(n.startswith("KV cache:") for n in run["startup_notes"]), run["startup_notes"]
