@@ -20,6 +20,7 @@ the attention it then runs itself, through ``attend``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
@@ -34,20 +35,21 @@ if TYPE_CHECKING:
 
 
 AttentionHook = Callable[..., torch.Tensor]
-_HOOK: list = [None]  # the active split_at_attention hook, or None
+_HOOK = threading.local()  # .hook: this thread's active split_at_attention hook
 
 
 @contextlib.contextmanager
 def split_at_attention(hook: AttentionHook) -> Iterator[None]:
-    """Within: ``Attention.forward`` calls ``hook`` instead of attending (see the module
-    docstring). Not nested; one thread (the step's) at a time."""
-    if _HOOK[0] is not None:
+    """Within, on this thread: ``Attention.forward`` calls ``hook`` instead of attending
+    (see the module docstring). Not nested. Per thread: under ``--multithread`` every rank
+    is a thread of one process, and each captures its own model at once."""
+    if getattr(_HOOK, "hook", None) is not None:
         raise RuntimeError("split_at_attention is already active")
-    _HOOK[0] = hook
+    _HOOK.hook = hook
     try:
         yield
     finally:
-        _HOOK[0] = None
+        _HOOK.hook = None
 
 
 class Attention(nn.Module):
@@ -87,7 +89,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]`` (``attend``),
         or whatever the active ``split_at_attention`` hook returns."""
-        hook = _HOOK[0]
+        hook = getattr(_HOOK, "hook", None)
         if hook is not None:
             return hook(self, query, key, value, kv_cache, attn_metadata, positions, rotary_emb)
         return self.attend(query, key, value, kv_cache, attn_metadata, positions, rotary_emb)

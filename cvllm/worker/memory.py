@@ -207,15 +207,17 @@ def _profile_sampler(logits: torch.Tensor, device: torch.device) -> None:
 
 def measure(model: torch.nn.Module, specs: Sequence[LayerCacheSpec], *, block_size: int,
             num_tokens: int, max_seqs: int, max_len: int, decode_rows: int,
-            device: torch.device) -> MemoryProfile:
-    """Profile the largest step (and, when ``decode_rows``, the largest padded decode
-    step for the graph pool), then read the device's totals."""
+            device: torch.device, logit_rows: int = 0) -> MemoryProfile:
+    """Profile the largest step (and, when ``decode_rows``, the largest captured step for
+    the graph pool: ``decode_rows`` tokens, the LM head and a sampler pass on
+    ``logit_rows`` of them, which covers the decode graphs' logits in the pool and their
+    shared static copy), then read the device's totals."""
     lens = dummy_seq_lens(num_tokens, max_seqs, max_len)
     peak = profile_step_memory(model, specs, lens, block_size, max_seqs, device)
     margin = 0
     if decode_rows:
-        margin = profile_step_memory(model, specs, [1] * decode_rows, block_size, 0,
-                                     device) + GRAPH_POOL_SLACK
+        margin = profile_step_memory(model, specs, [1] * decode_rows, block_size,
+                                     min(logit_rows, decode_rows), device) + GRAPH_POOL_SLACK
     free, total = torch.cuda.mem_get_info(device)
     profile = MemoryProfile(
         total=int(total), non_torch=int(total - free - torch.cuda.memory_reserved(device)),

@@ -45,7 +45,7 @@ from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.distributed import custom_allreduce
 from cvllm.kernels import pdl
 from cvllm.layers.attention import Attention, split_at_attention
-from cvllm.worker.cuda_graph import is_pure_decode, patch_placeholders
+from cvllm.worker.cuda_graph import capture_agreed, is_pure_decode, patch_placeholders
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -201,8 +201,9 @@ class MixedGraphRunner:
             return buf
 
         base = query._base
-        if (base is not None and key._base is base and value._base is base and base.dim() == 2
-                and base.shape[0] == T and base.is_contiguous()):
+        if (base is not None and key is not None and value is not None and key._base is base
+                and value._base is base and base.dim() == 2 and base.shape[0] == T
+                and base.is_contiguous()):
             buf = static("qkv", base)  # [T, W]
 
             def view(x: torch.Tensor) -> torch.Tensor:
@@ -215,18 +216,16 @@ class MixedGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture every size, largest first, into ``pool`` (the decode graphs'; a new one
-        by default). A failed capture leaves every size eager (padded), with a warning."""
+        by default). A failed capture (on any TP rank: ``capture_agreed``) leaves every
+        size eager (padded), with a warning; what it grew in the shared pool stays
+        reserved while the decode graphs hold the pool."""
         if not self.capture_enabled:
             return
         torch.cuda.synchronize(self.device)
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        try:
-            for T in reversed(self.sizes):
-                self._capture_size(T, pool, stream)
-        except RuntimeError as e:
-            logger.warning("CUDA graph capture of mixed steps failed (%s); steps with prompt "
-                           "tokens run eagerly, padded", e)
+        if not capture_agreed(self.sizes, lambda T: self._capture_size(T, pool, stream),
+                              "steps with prompt tokens run eagerly, padded"):
             fast = custom_allreduce.active()
             if fast is not None:
                 fast.forget_push()
@@ -273,10 +272,10 @@ class MixedGraphRunner:
             pieces[-1].capture_end()
             holes.append(_Hole(layer, kv_cache, rotary_emb, q, k, v, p, out))
             begin()
-            return out
+            return out.view(T, -1)  # attend's [T, H*D], whatever the query's shape
 
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # before it is current
         with torch.cuda.stream(stream):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
             begin()
             try:
                 with split_at_attention(hole):

@@ -158,6 +158,7 @@ class ModelRunner:
                 max_len=min(sizing.max_chunk, sizing.max_model_len),
                 decode_rows=max([capture_sizes(sched.max_num_seqs)[-1],
                                  *self._mixed_sizes()[-1:]]) if capture else 0,
+                logit_rows=capture_sizes(sched.max_num_seqs)[-1] if capture else 0,
                 device=self.device,
             )
             budget = memory.kv_cache_budget(profile, cache.gpu_memory_fraction,

@@ -5,7 +5,8 @@ Gemma 2: sliding and full layers, two groups, softcaps), served from their folde
 - Graphs on and off give identical tokens over mixed batches (chunked prefills next to
   decodes, rows finishing at different steps so decode batches of every size pad to
   the capture sizes, greedy and seeded sampling), and every replay's hidden states equal
-  the same padded step launched eagerly, bit for bit.
+  the same padded step launched eagerly, bit for bit. Every size's logits are rows of
+  one static buffer.
 - The Triton engine matches the torch reference engine: greedy tokens in float32, the
   first step's logits in bf16.
 - Without --mem, the cache is sized from the profile and a budget too small for one
@@ -89,6 +90,8 @@ def test_graphs_on_and_off_give_identical_tokens(tmp_path, family):
         graphs = llm.engine.runner.graphs
         assert graphs is not None and graphs.sizes == capture_sizes(MAX_NUM_SEQS)
         assert set(graphs.graphs) == (set(graphs.sizes) if graphs_on else set())
+        if graphs_on:  # one static logits buffer, not one per size in the pool
+            assert len({o.data_ptr() for o in graphs.outputs.values()}) == 1
         seen = _check_replays_against_eager(graphs)
         results[graphs_on] = [r.token_ids for r in llm.generate(prompts, params)]
         padded = {(b, bs) for b, bs in seen}
