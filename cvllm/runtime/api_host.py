@@ -284,7 +284,8 @@ def export_tokenizer(tokenizer: Any, folder: str) -> Dict[str, Any]:
 def make_hello(async_engine: AsyncEngine, settings: Dict[str, Any], mcp: Dict[str, Any],
                shutdown_timeout_s: float) -> Hello:
     """The HELLO of this engine, its tokenizer exported to a temporary folder (removed
-    by ``serve_with_api_process``); raises ``TokenizerStaysError``."""
+    by ``serve_with_api_process`` once the API process listens, having read it); raises
+    ``TokenizerStaysError``."""
     folder = tempfile.mkdtemp(prefix="cvllm-api-")
     try:
         tok = export_tokenizer(async_engine.engine.tokenizer, folder)
@@ -312,6 +313,9 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
         host.start()
         async_engine.start()
         wait_listening(host, proc)
+        # read by the API process before it listens: gone now, so that a server killed
+        # with SIGKILL later leaves no copy of the tokenizer in the temporary folder
+        shutil.rmtree(hello.tokenizer_dir, ignore_errors=True)
         logger.info("serving %s on http://%s/v1 (API process %d)", async_engine.model_name,
                     host.address, proc.pid)
         _forward_signals_until_exit(proc, host, hello.shutdown_timeout_s)
