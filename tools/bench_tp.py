@@ -274,6 +274,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (a smoke test of the tool)")
     ap.add_argument("--model-dir", help="write the model folder here (and keep it); an "
                     "existing folder with weights is reused")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the servers' logs (kept anyway when a run fails)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -294,6 +296,10 @@ def measure(tps: List[int], folder: Path, args: argparse.Namespace,
         print(json.dumps(runs[-1], indent=1), flush=True)
         if on_run is not None:
             on_run(runs)
+    if args.keep_logs or any("error" in r for r in runs):
+        print(f"server logs kept in {work}", flush=True)
+    else:  # what they say that matters is in each run's startup_notes
+        shutil.rmtree(work, ignore_errors=True)
     base = next((r for r in runs if r["tp"] == 1 and "error" not in r), None)
     if base:
         for r in runs:
