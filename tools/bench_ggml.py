@@ -88,18 +88,25 @@ _MM64_SWEEP = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT) at M = 64
     (64, 128, 64, 4, 4, 8, 2), (64, 128, 256, 8, 3, 8, 1), (64, 256, 128, 8, 3, 8, 1)]
 
 
-_GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch) of the int8 GEMV (Q4_0 / Q4_1 / Q4_K)
+_GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch) of the int8 GEMV (4-bit; Q8_0 halves BK)
     (16, 2048, 4, False), (8, 2048, 4, False), (16, 4096, 4, False), (8, 4096, 4, False),
     (8, 2048, 2, False), (4, 4096, 2, False), (4, 2048, 2, True), (8, 1024, 2, True),
     (16, 4096, 8, False), (32, 4096, 8, False), (16, 1024, 4, True), (4, 4096, 4, False)]
 
 
-def candidates(m: int, plain4: bool = False) -> List[tuple]:
-    """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows (``plain4``: Q4_0 / Q4_1
-    / Q4_K, which also have the int8 GEMV)."""
+def _i8_order(c: tuple) -> tuple:
+    return c[1], c[0], c[2], c[3]
+
+
+def candidates(m: int, int8: bool = False, wps: int = 4) -> List[tuple]:
+    """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows (``int8``: Q4_0 / Q4_1
+    / Q4_K / Q8_0, which also have the int8 GEMV; ``wps`` 8 for Q8_0, whose K steps are
+    halved to hold as many words)."""
     if m == 1:
-        return [("gemv", c) for c in _GEMV_SWEEP] + (
-            [("gemv_i8", c) for c in _GEMV_I8_SWEEP] if plain4 else [])
+        i8 = sorted({(bn, max(32, bk * 4 // wps), w, p) for bn, bk, w, p in _GEMV_I8_SWEEP},
+                    key=_i8_order)
+        return [("gemv", c) for c in _GEMV_SWEEP] + ([("gemv_i8", c) for c in i8]
+                                                     if int8 else [])
     if m == 2:
         return [("gemv", c) for c in [(8, 4096, 4, False), (16, 4096, 4, False),
                                       (8, 2048, 4, True), (16, 2048, 4, True)]] + [
@@ -182,7 +189,8 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     """Every candidate path/config at this M: time and error, fastest first."""
     from cvllm.kernels.quant import ggml_cuda as gc
 
-    cands = candidates(m, gc._is_plain4(ws[0].spec))
+    spec = ws[0].spec
+    cands = candidates(m, gc.takes_int8_gemv(spec), spec.sb * spec.lb // 32)
     out = []
     for path, cfg in cands:
         try:

@@ -13,8 +13,8 @@ Tolerances (relative to the output's RMS; float32 accumulation throughout): the 
 the weights in float32, so its error is the output's rounding (bf16: 2**-9 relative);
 the tensor-core and dense paths also round each weight to x's dtype, which adds about
 2**-9 of the output's RMS (random-walk over K); 2e-2 of the RMS covers both with margin
-for float32 summation order. The int8 GEMV (``gemv_i8``: one row of Q4_0 / Q4_1 / Q4_K)
-is the exact product with x rounded to int8 per 32 elements (``int8_rounded``, emulated
+for float32 summation order. The int8 GEMV (``gemv_i8``: one row of Q4_0 / Q4_1 / Q4_K /
+Q8_0) is the exact product with x rounded to int8 per 32 elements (``int8_rounded``, emulated
 here in torch; its inputs are ``tie_free``), held to ``I8_TOL`` against that product; against the
 unrounded x its error is that rounding's, 0.5-1% of the output's RMS on these random
 weights (each element off by up to half of 1/127 of its block's largest |x|), checked at
@@ -221,7 +221,7 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     check_linear(t, n, k, 3, path="mm", bias=True, **common)
     check_linear(t, n, k, 17, path="mm", config=(32, 32, 256, 4, 2, 8, 2), **common)
     check_linear(t, n, k, 5, path="dense", bias=True, **common)
-    if gc._is_plain4(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
+    if gc.takes_int8_gemv(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
         check_linear(t, n, k, 1, path="gemv_i8", bias=True, **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(16, 256, 4, False), **common)
@@ -368,10 +368,10 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
-    # The int8 GEMV: one row of the plain 4-bit types only, unless turned off.
+    # The int8 GEMV: one row of the plain 4-bit types and Q8_0 only, unless turned off.
     assert [choose_path(1, SPECS[t]) for t in (GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K,
-                                               GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.IQ4_NL,
-                                               GgmlType.Q8_0)] == ["gemv_i8"] * 3 + ["gemv"] * 4
+                                               GgmlType.Q8_0, GgmlType.Q5_K, GgmlType.Q6_K,
+                                               GgmlType.IQ4_NL)] == ["gemv_i8"] * 4 + ["gemv"] * 3
     assert choose_path(2, q4k) == "gemv"
     from cvllm.kernels.quant import ggml_cuda as gc
 
@@ -386,6 +386,9 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert gc.plan_gemv_i8(4096, 4096, 132) == gc.plan_gemv_i8(4096, 14336, 132) == (
         16, 4096, 4, False)
     assert gc.plan_gemv_i8(64, 512, 132) == (16, 512, 4, False)
+    # Q8_0 (8 words a sub-block): half the K step, the same words a program
+    assert gc.plan_gemv_i8(28672, 4096, 132, wps=8) == (16, 1024, 4, False)
+    assert gc.plan_gemv_i8(4096, 4096, 132, wps=8) == (16, 2048, 4, False)
     # x rounded beforehand (by default a gated row only): 8 rows, 2048-element steps
     assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (8, 2048, 4, False)
     assert gc._prequant(1) and not gc._prequant(0)

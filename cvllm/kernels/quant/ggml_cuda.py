@@ -13,7 +13,7 @@ as int32 words in a sub-block field-major order, fp16 block scales, unpacked sub
 scales), within 1.05x of the GGUF bytes. ``linear`` picks one of four paths by the
 number of rows M and the type (``choose_path``):
 
-- ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K): the activations rounded to int8 per 32
+- ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K / Q8_0): the activations rounded to int8 per 32
   elements, the products summed by ``dp4a`` (``ggml_kernels.ggml_gemv_i8_kernel``): the
   float path spends about 6.4 instructions an element and is bound by its issue slots,
   this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off. It also takes a gate_up row and
@@ -76,7 +76,7 @@ the tensor-core kernel wins by 1.3-2x; 128 was not measured (it decodes each wei
 there, as at 64)."""
 MAX_K = 1 << 20
 INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
-"""Batch-1 products of Q4_0 / Q4_1 / Q4_K round the activations to int8 (``gemv_i8``);
+"""Batch-1 products of Q4_0 / Q4_1 / Q4_K / Q8_0 round the activations to int8 (``gemv_i8``);
 ``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read once."""
 PREQUANT_X = os.environ.get("CVLLM_GGML_Q8_X", "gated").strip().lower()
 """Which ``gemv_i8`` inputs are rounded to int8 by a kernel of their own
@@ -326,14 +326,19 @@ def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, con
         PREFETCH=prefetch, PDL=use_pdl, WARPS=warps, num_warps=warps, **pdl.launch_args(x2))
 
 
-def _is_plain4(spec: PackSpec) -> bool:
+def takes_int8_gemv(spec: PackSpec) -> bool:
     """The types ``ggml_gemv_i8_kernel`` takes: 4-bit quants in 32-element sub-blocks, no
-    high bits, no value table (Q4_0, Q4_1, Q4_K)."""
-    return spec.lb == 4 and spec.hb == 0 and not spec.lut and spec.sb == 32 \
+    high bits, no value table (Q4_0, Q4_1, Q4_K), and Q8_0 (a byte an element)."""
+    return spec.lb in (4, 8) and spec.hb == 0 and not spec.lut and spec.sb == 32 \
         and spec.mode in (0, 1, 3)
 
 
-def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False
+def _wps(spec: PackSpec) -> int:
+    """Words of a 32-element sub-block: 4 (4-bit quants) or 8 (Q8_0)."""
+    return spec.sb * spec.lb // 32
+
+
+def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int = 4
                  ) -> Tuple[int, int, int, bool]:
     """``(BN, BK, num_warps, prefetch)`` of ``ggml_gemv_i8_kernel``. The H100 sweep
     (Q4_K, 8B shapes; 13 configs): 16 rows and 2048-element K steps where 16-row programs
@@ -343,7 +348,8 @@ def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False
     19.0 for the next best); 4 warps each. With x rounded beforehand (``prequant``) a
     program's step is lighter and more, smaller programs hide the loads better: 8 rows
     and 2048 were best or within 2% at every shape (down 17.0 us against 20.1 for 16 and
-    4096)."""
+    4096). Q8_0 (``wps`` 8 words a sub-block) takes half the K step: the same words a
+    program holds."""
     programs = triton.cdiv(n, 16)
     if prequant or programs > 2 * num_sms and programs < 8 * num_sms:
         bn, bk = 8, 2048
@@ -351,7 +357,7 @@ def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False
         bn, bk = 16, 2048
     else:
         bn, bk = 16, 4096
-    bk = max(32, min(bk, triton.next_power_of_2(k)))
+    bk = max(32, min(bk * 4 // wps, triton.next_power_of_2(k)))
     return bn, bk, 4, False
 
 
@@ -359,15 +365,17 @@ def _prequant(act: int) -> bool:
     return PREQUANT_X == "all" or (PREQUANT_X == "gated" and act != 0)
 
 
-def quantize_q8(x2: torch.Tensor, k: int, act: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One row ``x2 [1, K]`` (``[1, 2K]`` gate_up with ``act``) in ``ggml_gemv_i8_kernel``'s
-    int8 form: words ``[2, K / 8]`` int32 and steps ``[2, K / 32]`` float32
+    int8 form for weights of ``wps`` words a sub-block: words ``[2, K / 8]`` int32 (one
+    run of ``K / 4`` for ``wps`` 8) and steps ``[2, K / 32]`` float32
     (``ggml_kernels.ggml_q8_kernel``; K a multiple of 32)."""
     words = torch.empty(2, k // 8, dtype=torch.int32, device=x2.device)
     steps = torch.empty(2, k // 32, dtype=torch.float32, device=x2.device)
     gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
         x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
-        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), num_warps=4,
+        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps, num_warps=4,
         **pdl.launch_args(x2))
     return words, steps
 
@@ -376,19 +384,20 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
                     config, act: int = 0, prequant: Optional[bool] = None) -> None:
     n, k = w.shape
     prequant = _prequant(act) if prequant is None else prequant
-    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2), prequant)
+    wps = _wps(w.spec)
+    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2), prequant, wps)
     (lo, _hi, d, dm, sc, mn), (s_lo, s_sub, s_d) = w.args
     spec = w.spec
     xq, xs = x2, x2
     if prequant:
-        xq, xs = quantize_q8(x2, k, act)
+        xq, xs = quantize_q8(x2, k, act, wps)
         act = 0
     gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn),)](
         xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub,
         s_d, SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
         PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,
-        XQ=xq is not x2, num_warps=warps, **pdl.launch_args(x2))
+        XQ=xq is not x2, WPS=wps, num_warps=warps, **pdl.launch_args(x2))
 
 
 def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
@@ -419,7 +428,7 @@ def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False) ->
     """``"gemv_i8"``, ``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows of a weight
     of layout ``spec`` (``exact``: activations kept as they are; see the module
     docstring)."""
-    if m == 1 and spec is not None and INT8_GEMV and not exact and _is_plain4(spec):
+    if m == 1 and spec is not None and INT8_GEMV and not exact and takes_int8_gemv(spec):
         return "gemv_i8"
     if m <= GEMV_MAX_M:
         return "gemv"
@@ -439,7 +448,7 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     """``x [.., K]`` (bf16 / fp16) -> ``x @ W^T (+ bias)`` ``[.., N]`` in x's dtype; any
     number of rows. ``path`` / ``config`` override ``choose_path`` and the tile plans (the
     benchmark's sweep); ``gemv`` takes at most 16 rows, ``gemv_i8`` one row of Q4_0 /
-    Q4_1 / Q4_K. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
+    Q4_1 / Q4_K / Q8_0. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
     output ``[.., 2K]`` and the product is with ``act(gate) * up``, applied by the kernel
     (``gemv_i8`` only: ``gated_fusable``). ``prequant``: on ``gemv_i8``, round x in its own
     kernel first (default: ``PREQUANT_X``'s choice)."""
@@ -464,8 +473,8 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
             bias = bias.contiguous()
         path = path or choose_path(m, w.spec, w.exact)
         if path == "gemv_i8":
-            if m != 1 or not _is_plain4(w.spec):
-                raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K; "
+            if m != 1 or not takes_int8_gemv(w.spec):
+                raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K / Q8_0; "
                                  f"got {m} rows of {w.ggml_type.name}")
             _launch_gemv_i8(x2, w, bias, y, config, act_code, prequant)
         elif path == "gemv":

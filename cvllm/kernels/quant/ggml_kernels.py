@@ -10,9 +10,9 @@ the tile decoding they share is ``ggml_tiles.py``. Weight fields are the layout 
   prefetch (``PREFETCH``: the next K step's fields are loaded before this one is
   reduced) and programmatic dependent launch (``PDL``: the first tile is in flight
   before the kernel that wrote ``x`` has finished, as in ``kernels/gemv.py``).
-- ``ggml_gemv_i8_kernel``: one input row of the plain 4-bit types (Q4_0, Q4_1, Q4_K),
-  the activations rounded to int8 per sub-block and summed with ``dp4a`` (the batch-1
-  decode path: the float GEMV is bound by its instruction issue on these types).
+- ``ggml_gemv_i8_kernel``: one input row of the plain 4-bit types (Q4_0, Q4_1, Q4_K) and
+  Q8_0, the activations rounded to int8 per sub-block and summed with ``dp4a`` (the
+  batch-1 decode path: the float GEMV is bound by its instruction issue on these types).
 - ``ggml_mm_kernel``: a ``[BM, BN]`` output tile a program; each weight tile is decoded
   in registers to x's dtype and fed to ``tl.dot`` (tensor cores), float32 accumulator.
 - ``ggml_dequant_kernel``: rows of the weight (all, or those named by token ids) into a
@@ -256,18 +256,19 @@ def ggml_dequant_kernel(
 @triton.jit
 def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_d,
              SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr, NSUB: tl.constexpr,
-             EVEN_K: tl.constexpr):
-    """One K step of ``ggml_gemv_i8_kernel``: the words ``[BN, NSUB * 4]`` (2-D: a row's
-    words are one contiguous run, which every Triton version lays out four to a thread)
-    and the sub-blocks' ``s, m [BN, NSUB]``."""
+             EVEN_K: tl.constexpr, WPS: tl.constexpr):
+    """One K step of ``ggml_gemv_i8_kernel``: the words ``[BN, NSUB * WPS]`` (2-D: a row's
+    words are one contiguous run, which every Triton version lays out four to a thread;
+    ``WPS`` words a 32-element sub-block: 4 for 4-bit quants, 8 for Q8_0) and the
+    sub-blocks' ``s, m [BN, NSUB]``."""
     sub = k0 // 32 + tl.arange(0, NSUB)  # [NSUB]
-    j = k0 // 8 + tl.arange(0, NSUB * 4)  # [NSUB * 4] word index along the row
-    offs = rows[:, None] * s_lo + j[None, :]  # [BN, NSUB * 4]
+    j = k0 // 32 * WPS + tl.arange(0, NSUB * WPS)  # [NSUB * WPS] word index along the row
+    offs = rows[:, None] * s_lo + j[None, :]  # [BN, NSUB * WPS]
     kmask = (sub < K // 32)[None, :]  # [1, NSUB]
     if EVEN_K:
         lo = tl.load(lo_ptr + offs, eviction_policy="evict_first")
     else:
-        lo = tl.load(lo_ptr + offs, mask=(j < K // 8)[None, :], other=0,
+        lo = tl.load(lo_ptr + offs, mask=(j < K // 32 * WPS)[None, :], other=0,
                      eviction_policy="evict_first")
     r2 = rows[:, None]
     d_offs = r2 * s_d + (sub // (SUPER // 32))[None, :]
@@ -351,13 +352,52 @@ def _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
+def _q8_words8(x0, x1, x2, x3, NSUB: tl.constexpr, ASM: tl.constexpr):
+    """``_q8_words`` for 8-bit weights (Q8_0, ``WPS`` = 8): the four field runs ``x0 ..
+    x3`` (run ``F`` of word ``j`` is the element at ``(j // 8) * 32 + j % 8 + 8 * F``)
+    packed a byte each into one word ``xw [NSUB * 8]`` that pairs with the weight word
+    (its bytes are fields 0-3); the same rounding, step and sum. Returns ``xw`` twice
+    (the 4-bit form's two halves), ``dx`` and ``sx``."""
+    a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    amax = tl.max(tl.reshape(a, (NSUB, 8)), axis=1)  # [NSUB]
+    inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)  # [NSUB]
+    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 8)), (NSUB * 8,))
+    xw = _q8_byte(x0, inv, 0) | _q8_byte(x1, inv, 8) | _q8_byte(x2, inv, 16) \
+        | _q8_byte(x3, inv, 24)
+    ones = tl.full(xw.shape, 0x01010101, tl.int32)
+    xq = _dp4a(ones, xw, tl.zeros(xw.shape, tl.int32), ASM)
+    xsum = tl.sum(tl.reshape(xq, (NSUB, 8)), axis=1)  # [NSUB]
+    dx = amax * (1.0 / 127.0)
+    return xw, xw, dx, xsum.to(tl.float32) * dx
+
+
+@triton.jit
 def _q8_runs(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, WPS: tl.constexpr):
     """``_q8_words`` of the ``NSUB`` sub-blocks of x from ``k0`` (masked past ``K``: those
     round to zero). ``ACT`` (``kernels/activation.ACTIVATIONS`` code + 1; 0: none): x is a
     ``[gate (K) | up (K)]`` row and the values are ``act(gate) * up`` with
     ``kernels/activation.py``'s roundings (``kernels/gemv.load_act_x``), so the int8
-    rounding sees what the activation kernel would have written."""
+    rounding sees what the activation kernel would have written. ``WPS``: 4 (4-bit
+    weights, ``_q8_words``) or 8 (Q8_0, ``_q8_words8``)."""
+    # One return: the compiler types every return statement of a function, a constexpr
+    # branch's included, and the two forms differ in shape.
+    if WPS == 8:
+        j8 = tl.arange(0, NSUB * 8)
+        o8 = (j8 // 8) * 32 + j8 % 8  # [NSUB * 8]: field 0's element of each word
+        xe, xd, dx, sx = _q8_words8(load_act_x(x_ptr, k0, o8, K, EVEN_K, ACT),
+                                    load_act_x(x_ptr, k0, o8 + 8, K, EVEN_K, ACT),
+                                    load_act_x(x_ptr, k0, o8 + 16, K, EVEN_K, ACT),
+                                    load_act_x(x_ptr, k0, o8 + 24, K, EVEN_K, ACT), NSUB, ASM)
+    else:
+        xe, xd, dx, sx = _q8_runs4(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
+    return xe, xd, dx, sx
+
+
+@triton.jit
+def _q8_runs4(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+              ASM: tl.constexpr):
+    """``_q8_runs`` for 4-bit weights (``_q8_words``)."""
     j = tl.arange(0, NSUB * 4)
     offs = (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's element of each word
     x0 = load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT)
@@ -373,16 +413,31 @@ def _q8_runs(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.con
 
 @triton.jit
 def _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-             ASM: tl.constexpr, ACT: tl.constexpr, XQ: tl.constexpr):
+             ASM: tl.constexpr, ACT: tl.constexpr, XQ: tl.constexpr, WPS: tl.constexpr):
     """``[BN, NSUB]``: each sub-block's ``s * sum(q x) + m * sum(x)`` for one K step, with
     the activations in int8 per 32-element sub-block (``_q8_words``) and the products
     summed by ``dp4a``: two masks, a shift and two dp4a for a word's eight elements. The
     ``m * sum(x)`` term sums the same rounded activations, so the result is exactly the
     product with the rounded x (an error in proportion to the weights, not to ``q`` and
     ``m`` apart, which cancel). ``XQ``: x is already in that form (``ggml_q8_kernel``'s
-    words at ``x_ptr``, steps at ``xs_ptr``); else this program rounds it."""
+    words at ``x_ptr``, steps at ``xs_ptr``); else this program rounds it. ``WPS`` 8
+    (Q8_0): a word's four bytes are four elements' unsigned quants, one dp4a each."""
     BN: tl.constexpr = lo.shape[0]
-    if XQ:
+    if XQ and WPS == 8:
+        j = k0 // 4 + tl.arange(0, NSUB * 8)  # [NSUB * 8] word index
+        sub = k0 // 32 + tl.arange(0, NSUB)  # [NSUB]
+        if EVEN_K:
+            xe = tl.load(x_ptr + j, eviction_policy="evict_last")
+            dx = tl.load(xs_ptr + sub, eviction_policy="evict_last")
+            sx = tl.load(xs_ptr + K // 32 + sub, eviction_policy="evict_last")
+        else:
+            xe = tl.load(x_ptr + j, mask=j < K // 4, other=0, eviction_policy="evict_last")
+            dx = tl.load(xs_ptr + sub, mask=sub < K // 32, other=0.0,
+                         eviction_policy="evict_last")
+            sx = tl.load(xs_ptr + K // 32 + sub, mask=sub < K // 32, other=0.0,
+                         eviction_policy="evict_last")
+        xd = xe
+    elif XQ:
         j = k0 // 8 + tl.arange(0, NSUB * 4)  # [NSUB * 4] word index
         sub = k0 // 32 + tl.arange(0, NSUB)  # [NSUB]
         if EVEN_K:
@@ -399,36 +454,49 @@ def _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.cons
             sx = tl.load(xs_ptr + K // 32 + sub, mask=sub < K // 32, other=0.0,
                          eviction_policy="evict_last")
     else:
-        xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
-    acc = _dp4a(lo & 0x0F0F0F0F, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
-    acc = _dp4a((lo >> 4) & 0x0F0F0F0F, xd[None, :], acc, ASM)
-    isum = tl.sum(tl.reshape(acc, (BN, NSUB, 4)), axis=2)  # [BN, NSUB]
+        xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM, WPS)
+    if WPS == 8:
+        acc = _dp4a(lo, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
+    else:
+        acc = _dp4a(lo & 0x0F0F0F0F, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
+        acc = _dp4a((lo >> 4) & 0x0F0F0F0F, xd[None, :], acc, ASM)
+    isum = tl.sum(tl.reshape(acc, (BN, NSUB, WPS)), axis=2)  # [BN, NSUB]
     return isum.to(tl.float32) * (s * dx[None, :]) + sx[None, :] * m
 
 
 @triton.jit
 def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-                   ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+                   ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+                   WPS: tl.constexpr):
     """One row of activations (``[K]``, or a ``[gate | up]`` row of ``2K`` with ``ACT``)
     in the int8 form ``ggml_gemv_i8_kernel`` reads with ``XQ``: words ``q [2, K / 8]``
     int32 (``xe`` then ``xd``) and float32 ``s [2, K / 32]`` (``dx`` then ``sx``), for
     ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
-    program."""
+    program. ``WPS`` 8 (Q8_0): the words are one run ``[K / 4]`` (``_q8_words8``)."""
     k0 = tl.program_id(0) * NSUB * 32
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
-    xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
-    j = k0 // 8 + tl.arange(0, NSUB * 4)
+    xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM, WPS)
     sub = k0 // 32 + tl.arange(0, NSUB)
+    if WPS == 8:  # (if / else, no early return: see _q8_runs)
+        j8 = k0 // 4 + tl.arange(0, NSUB * 8)
+        if EVEN_K:
+            tl.store(q_ptr + j8, xe)
+        else:
+            tl.store(q_ptr + j8, xe, mask=j8 < K // 4)
+    else:
+        j = k0 // 8 + tl.arange(0, NSUB * 4)
+        if EVEN_K:
+            tl.store(q_ptr + j, xe)
+            tl.store(q_ptr + K // 8 + j, xd)
+        else:
+            tl.store(q_ptr + j, xe, mask=j < K // 8)
+            tl.store(q_ptr + K // 8 + j, xd, mask=j < K // 8)
     if EVEN_K:
-        tl.store(q_ptr + j, xe)
-        tl.store(q_ptr + K // 8 + j, xd)
         tl.store(s_ptr + sub, dx)
         tl.store(s_ptr + K // 32 + sub, sx)
     else:
-        tl.store(q_ptr + j, xe, mask=j < K // 8)
-        tl.store(q_ptr + K // 8 + j, xd, mask=j < K // 8)
         tl.store(s_ptr + sub, dx, mask=sub < K // 32)
         tl.store(s_ptr + K // 32 + sub, sx, mask=sub < K // 32)
 
@@ -440,14 +508,15 @@ def ggml_gemv_i8_kernel(
     SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
-    ACT: tl.constexpr, XQ: tl.constexpr,
+    ACT: tl.constexpr, XQ: tl.constexpr, WPS: tl.constexpr,
 ):
     """``y[0, rows] = x[0] @ W[rows]^T (+ b)`` for one input row and the plain 4-bit types
-    (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table): the
-    batch-1 decode path. A thread holds whole sub-blocks (one 16-byte load each) of all
-    ``BN`` rows, rounds their activations to int8 once and sums each sub-block with
-    ``dp4a`` (``_i8_step``): about 2.7 instructions an element against the float path's
-    6.4, so the kernel streams the weights instead of waiting on its own issue slots.
+    (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table) and
+    Q8_0 (``WPS`` = 8 words a sub-block, a byte an element): the batch-1 decode path. A
+    thread holds whole sub-blocks (one 16-byte load each) of all ``BN`` rows, rounds
+    their activations to int8 once and sums each sub-block with ``dp4a`` (``_i8_step``):
+    about 2.7 instructions an element of Q4_K against the float path's 6.4, so the
+    kernel streams the weights instead of waiting on its own issue slots.
     ``WIDE``: 64-bit row offsets (a weight past 2**31 words); ``ASM``: dp4a in PTX (off
     under the interpreter); ``ACT``: x is a gate_up row, the gated activation applied on
     load (``_q8_runs``); ``XQ``: x arrives rounded (``ggml_q8_kernel``: words at ``x_ptr``,
@@ -459,7 +528,7 @@ def ggml_gemv_i8_kernel(
     if WIDE:
         rows = rows.to(tl.int64)
     lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, 0, K, s_lo, s_sub, s_d,
-                        SUPER, MODE, OFF, NSUB, EVEN_K)
+                        SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
         gdc_launch_dependents()
@@ -467,18 +536,18 @@ def ggml_gemv_i8_kernel(
         acc = tl.zeros((BN, NSUB), dtype=tl.float32)
         for k0 in range(BK, K, BK):
             n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K,
-                                      s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
+                                      s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT,
-                            XQ)
+                            XQ, WPS)
             lo, s, m = n_lo, n_s, n_m
         acc += _i8_step(lo, s, m, x_ptr, xs_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM,
-                        ACT, XQ)
+                        ACT, XQ, WPS)
     else:
-        acc = _i8_step(lo, s, m, x_ptr, xs_ptr, 0, K, NSUB, EVEN_K, ASM, ACT, XQ)
+        acc = _i8_step(lo, s, m, x_ptr, xs_ptr, 0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
         for k0 in range(BK, K, BK):
             lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo,
-                                s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K)
-            acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ)
+                                s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
+            acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
     y = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
