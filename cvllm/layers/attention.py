@@ -42,7 +42,8 @@ _HOOK = threading.local()  # .hook: this thread's active split_at_attention hook
 def split_at_attention(hook: AttentionHook) -> Iterator[None]:
     """Within, on this thread: ``Attention.forward`` calls ``hook`` instead of attending
     (see the module docstring). Not nested. Per thread: under ``--multithread`` every rank
-    is a thread of one process, and each captures its own model at once."""
+    is a thread of one process running its own model, and one thread's hook must not
+    divert another thread's forward."""
     if getattr(_HOOK, "hook", None) is not None:
         raise RuntimeError("split_at_attention is already active")
     _HOOK.hook = hook

@@ -10,7 +10,7 @@ that runner for the life of the engine. It owns:
 - one ``AttentionMetadata`` per capture size, built once from views of those buffers (no
   host sync, no copy: the graph reads whatever the buffers hold at replay);
 - one ``torch.cuda.CUDAGraph`` per capture size (largest captured first, all sharing one
-  memory pool) and the hidden-state tensor each one writes.
+  memory pool), each copying its logits into rows of one static ``[max_bs, V]`` buffer.
 
 A step runs here when every sequence decodes one token and the batch fits a capture
 size (``padded_size``): ``run`` stages the step into the buffers, pads rows ``B..bs-1``
@@ -106,9 +106,12 @@ def capture_agreed(sizes: Sequence[int], capture_one: Callable[[int], None],
     """``capture_one(size)`` for each size, largest first (the smaller ones reuse its
     pool). After each size every TP rank says whether its capture succeeded
     (``comm.agree_min``, a host collective each rank makes once per size, failed or not):
-    when one rank fails (out of memory, say) all stop there, before the next size's
-    warm-up runs its all-reduces, and every rank falls back alike. Returns whether every
-    size was captured on every rank; False after a warning naming ``fallback``."""
+    when one rank's capture fails (out of memory, say; nothing communicates during a
+    capture) all stop there, before the next size's warm-up runs its all-reduces, and
+    every rank falls back alike. A rank that fails inside a warm-up forward, between two
+    of its all-reduces, still leaves the others waiting in that collective. Returns
+    whether every size was captured on every rank; False after a warning naming
+    ``fallback``."""
     for size in sorted(sizes, reverse=True):
         error: Optional[BaseException] = None
         try:
@@ -267,7 +270,7 @@ class CudaGraphRunner:
     def run(self, step: StepInput, bs: int, prev_sampled: Optional[torch.Tensor] = None
             ) -> torch.Tensor:
         """Logits ``[bs, V]`` (float32) of the step padded to ``bs``; rows past the
-        step's B are padding. A graph's output is rewritten by its next replay.
+        step's B are padding. The output is rewritten by the next replay of any size.
         ``prev_sampled``: the previous step's sampled ids, patched over the placeholder
         rows (``step.prev_rows``) on the device, outside the graph."""
         self.buffers.load(step, bs)
