@@ -196,7 +196,8 @@ def run_tp(tp: int, folder: Path, port: int, args, work: Path) -> Dict[str, Any]
         log.close()
 
 
-_NOTES = ("KV cache:", "memory:", "CUDA graphs", "weights", "all-reduce:")
+_NOTES = ("KV cache:", "memory:", "CUDA graphs", "CUDA graph capture failed", "weights:",
+          "all-reduce:")
 _COUNTERS = ("cvllm_kv_blocks_total", "cvllm_preemptions_total", "cvllm_steps_total",
              "cvllm_prompt_tokens_total", "cvllm_generation_tokens_total",
              "cvllm_prefix_cache_hits_total", "cvllm_request_queue_time_seconds_sum",
@@ -224,7 +225,7 @@ def server_counters(url: str) -> Dict[str, float]:
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-    except OSError:
+    except Exception:  # noqa: BLE001 - a figure lost, not the run (IncompleteRead too)
         return {}
     out: Dict[str, float] = {}
     for line in text.splitlines():
@@ -296,10 +297,6 @@ def measure(tps: List[int], folder: Path, args: argparse.Namespace,
         print(json.dumps(runs[-1], indent=1), flush=True)
         if on_run is not None:
             on_run(runs)
-    if args.keep_logs or any("error" in r for r in runs):
-        print(f"server logs kept in {work}", flush=True)
-    else:  # what they say that matters is in each run's startup_notes
-        shutil.rmtree(work, ignore_errors=True)
     base = next((r for r in runs if r["tp"] == 1 and "error" not in r), None)
     if base:
         for r in runs:
@@ -310,7 +307,18 @@ def measure(tps: List[int], folder: Path, args: argparse.Namespace,
                                             / base["batch64_output_tokens_per_s"])
                 if r is not base and "greedy" in base and "greedy" in r:
                     r["agreement"] = compare_greedy(base["greedy"], r["greedy"])
+    if args.keep_logs or any(_went_wrong(r) for r in runs):
+        print(f"server logs kept in {work}", flush=True)
+    else:  # what they say that matters is in each run's startup_notes
+        shutil.rmtree(work, ignore_errors=True)
     return runs
+
+
+def _went_wrong(run: Dict[str, Any]) -> bool:
+    """A run worth its server's whole log: an error, failed or short requests, or
+    outputs that do not agree with TP=1."""
+    return ("error" in run or run.get("failed", 0) > 0 or not run.get("all_full_length", True)
+            or not (run.get("agreement") or {}).get("agrees", True))
 
 
 def prepare_folder(cfg: Dict[str, Any], args: argparse.Namespace) -> Path:

@@ -107,3 +107,13 @@ def test_tp2_serves_the_tp1_model(tmp_path):
         assert counters["kv_blocks_total"] > 0 and counters["preemptions_total"] == 0
         assert counters["generation_tokens_total"] >= 5 * 8, counters  # b1 + 4 requests
         assert any(n.startswith("KV cache:") for n in run["startup_notes"]), run["startup_notes"]
+
+
+def test_a_run_that_went_wrong_keeps_its_logs():
+    """The servers' logs are removed after a clean round only: an error, a failed or short
+    request, or outputs that part from TP=1 outside the top 5 keep them."""
+    ok = {"tp": 2, "failed": 0, "all_full_length": True, "agreement": {"agrees": True}}
+    assert not bench_tp._went_wrong(ok) and not bench_tp._went_wrong({"tp": 1})
+    for bad in ({"error": "boom"}, {"failed": 1}, {"all_full_length": False},
+                {"agreement": {"agrees": False}}):
+        assert bench_tp._went_wrong(dict(ok, **bad)), bad
