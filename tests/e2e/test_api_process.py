@@ -92,6 +92,10 @@ def test_rank_0_dying_ends_the_api_process(long_tiny_llama, tmp_path):  # noqa: 
     server = _server(long_tiny_llama, tmp_path, env=dict(mpi_env(), TMPDIR=str(tmp)))
     try:
         (api,) = server.api_pids()
+        # /health may answer a moment before rank 0 hears LISTENING and removes it
+        deadline = time.time() + 10
+        while list(tmp.glob("cvllm-api-*")) and time.time() < deadline:
+            time.sleep(0.05)
         assert not list(tmp.glob("cvllm-api-*")), list(tmp.iterdir())
         os.kill(server.proc.pid, signal.SIGKILL)
         assert not wait_gone([api], 10), server.text()
