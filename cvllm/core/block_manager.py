@@ -113,6 +113,11 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_plain_free_blocks(self) -> int:
+        """Free blocks that hold no cached prefix (taken before any cached one)."""
+        return len(self._free)
+
+    @property
     def num_cached_free_blocks(self) -> int:
         """Blocks nobody uses that hold a cached prefix (evicted only when needed)."""
         return len(self._evictable)

@@ -150,6 +150,24 @@ class KVCacheManager:
                 g.share(seq, hit.blocks[g.group])
             g.allocate(seq, num_new_tokens)
 
+    def allocate_copying_hit(self, seq: Sequence, num_new_tokens: int,
+                             hit: PrefixHit) -> Optional[List[Tuple[int, int]]]:
+        """Like ``allocate(seq, num_new_tokens, hit)``, but seq takes fresh blocks for the
+        hit's tokens as well, to be filled by copying the hit's blocks: returns the
+        ``(src, dst)`` block pairs, or None, changing nothing, where that does not apply:
+        more than one KV group or state layers, or fewer plainly free blocks than seq
+        needs (a cached block is never evicted for it: it could be one of the hit's). The
+        hit's blocks stay as they were (cached, or shared by whoever holds them)."""
+        if len(self.groups) != 1 or self.num_state_slots or not hit.num_tokens:
+            return None
+        g, src = self.groups[0], list(hit.blocks[0])
+        if seq.group_block_ids(0) or seq.num_computed_tokens != hit.num_tokens:
+            raise ValueError(f"{seq!r} must hold no blocks and count the hit's tokens as computed")
+        if g.blocks_needed(seq, num_new_tokens) > g.num_plain_free_blocks:
+            return None
+        new = g.allocate(seq, num_new_tokens)  # seq holds none yet: the hit's too
+        return list(zip(src, new[:len(src)]))
+
     # ----- prefix cache ------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixHit:

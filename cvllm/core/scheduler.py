@@ -60,6 +60,13 @@ admitted later in the same step, such as another choice of the same prompt, shar
 them; every backend writes a step's K/V before it attends), after the running sequences
 are scheduled (never before: a preempted sequence's blocks of this step are never
 computed) and in ``update`` (tokens that were placeholders).
+With ``SchedulerConfig.copy_prefix_hits`` (the CPU) a sequence admitted while nothing else
+runs takes fresh blocks for its hit too, as copies of the cached ones
+(``SchedulerOutput.block_copies``, made by every rank before the step's forward): its
+blocks are then consecutive ids, which the CPU attention reads in place instead of
+gathering them every layer and step; the cached blocks stay cached. Only from blocks that
+are plainly free (never by evicting one: it could be a block of the hit itself);
+otherwise, and for sequences admitted beside others, the hit is shared.
 
 A sequence that can never run (its known tokens need more blocks than the whole cache, or,
 without chunking, more tokens than the step budget) is finished with reason 'length'
@@ -115,6 +122,9 @@ class SchedulerOutput:
     starved: bool = False
     """A running sequence was skipped because it needed a preemption while another step
     was in flight; the next step should be scheduled with nothing in flight."""
+    block_copies: List[Tuple[int, int]] = field(default_factory=list)
+    """(src, dst) blocks of KV group 0 whose K/V every rank copies before this step's
+    forward (``copy_prefix_hits``)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -134,6 +144,7 @@ class _StepBuilder:
     budget: int
     scheduled: Dict[int, ScheduledSeq] = field(default_factory=dict)  # insertion-ordered
     preempted: List[int] = field(default_factory=list)
+    block_copies: List[Tuple[int, int]] = field(default_factory=list)
 
     starved: bool = False
 
@@ -283,7 +294,8 @@ class Scheduler:
         scheduled = list(step.scheduled.values())
         for row, entry in enumerate(e for e in scheduled if e.samples):
             entry.sample_index = entry.seq.append_placeholder(row)
-        out = SchedulerOutput(self._step_id, scheduled, step.preempted, finished, step.starved)
+        out = SchedulerOutput(self._step_id, scheduled, step.preempted, finished, step.starved,
+                              step.block_copies)
         self._in_flight.append(out)
         return out
 
@@ -386,7 +398,13 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
             del self.waiting[i]
-            kv.allocate(seq, n, hit)
+            copies = None
+            if self.config.copy_prefix_hits and hit.num_tokens and not self.running:
+                copies = kv.allocate_copying_hit(seq, n, hit)
+            if copies is None:
+                kv.allocate(seq, n, hit)
+            else:
+                step.block_copies.extend(copies)
             kv.assign_state_slot(seq)
             kv.record_lookup(seq, hit)
             seq.status = SequenceStatus.RUNNING

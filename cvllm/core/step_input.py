@@ -31,8 +31,12 @@ Overlapped loop: ``prev_rows[t]`` >= 0 says token t's id is not known on the hos
 (``input_ids[t]`` holds -1): it is the id sampled at that row of the previous step, which
 the runner patches in on the device (``core/sequence.py`` placeholders).
 
+Block copies: ``block_copies[c] = (src, dst)`` block ids of KV group 0 whose K/V every
+layer of that group copies, src to dst, before this step's forward (a lone CPU sequence's
+prefix hit, taken as copies so that its blocks are consecutive: ``Scheduler``).
+
 Version 2 added kv_group_windows, group_slot_mapping, group_block_tables, state_slots;
-version 3 added prev_rows.
+version 3 added prev_rows; version 4 added block_copies.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import enum
 import itertools
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -50,7 +54,7 @@ from cvllm.core.block_manager import PLACEHOLDER_BLOCK
 from cvllm.core.scheduler import SchedulerOutput
 
 MAGIC = b"CVLS"
-VERSION = 3
+VERSION = 4
 DEFAULT_MAX_BODY_BYTES = 1 << 30
 MAX_KV_GROUPS = 64
 
@@ -101,6 +105,7 @@ _FIELDS = {
     21: ("group_block_tables", _I32, ("G-1", "B", "M")),
     22: ("state_slots", _I32, ("B",)),
     23: ("prev_rows", _I32, ("T",)),
+    24: ("block_copies", _I32, ("C", "2")),
 }
 _FIELD_IDS = {name: fid for fid, (name, _, _) in _FIELDS.items()}
 SAMPLING_FIELDS = (
@@ -219,6 +224,8 @@ class StepInput:
     group_block_tables: np.ndarray  # [G-1, B, M'] int32, block_tables of groups 1..G-1
     state_slots: np.ndarray  # [B] int32, linear-attention state slot, -1 = none
     prev_rows: np.ndarray  # [T] int32, previous step's sampling row giving the id, -1 = none
+    block_copies: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 2), _I32))  # [C, 2] int32 (src, dst), group 0
 
     # ----- shape helpers ---------------------------------------------------------------
 
@@ -283,6 +290,7 @@ class StepInput:
         G = len(group_windows)
         arrays["group_slot_mapping"] = np.zeros((G - 1, 0), _I64)
         arrays["group_block_tables"] = np.zeros((G - 1, 0, 0), _I32)
+        arrays["block_copies"] = np.zeros((0, 2), _I32)
         return cls(step_id=step_id, **arrays)
 
     # ----- validation ------------------------------------------------------------------
@@ -300,6 +308,7 @@ class StepInput:
         self._validate_layout()
         self._validate_batch()
         self._validate_sampling()
+        self._validate_copies(None)
         if block_size is not None:
             counts = num_blocks if isinstance(num_blocks, (list, tuple)) else \
                 [num_blocks] * self.num_kv_groups
@@ -309,6 +318,7 @@ class StepInput:
                 )
             for g in range(self.num_kv_groups):
                 self._validate_slots(g, block_size, counts[g])
+            self._validate_copies(counts[0])
 
     def _validate_layout(self) -> None:
         if not 0 <= self.step_id < 2**64:
@@ -328,7 +338,7 @@ class StepInput:
         for name, dtype, dims in _FIELDS.values():
             arr = getattr(self, name)
             sizes = {"T": T, "B": B, "S": S, "B+1": B + 1, "G": G, "G-1": G - 1,
-                     "M": arr.shape[-1]}
+                     "M": arr.shape[-1], "C": arr.shape[0], "2": 2}
             want = tuple(sizes[d] for d in dims)
             if arr.shape != want:
                 raise StepInputError(
@@ -362,6 +372,16 @@ class StepInput:
         live = self.state_slots[self.state_slots >= 0]
         if (self.state_slots < -1).any() or np.unique(live).size != live.size:
             raise StepInputError("state_slots must be distinct slot ids, or -1 for none")
+
+    def _validate_copies(self, num_blocks: Optional[int]) -> None:
+        src, dst = self.block_copies[:, 0], self.block_copies[:, 1]
+        if (self.block_copies < 0).any():
+            raise StepInputError("block_copies must be non-negative block ids")
+        if num_blocks is not None and (self.block_copies >= num_blocks).any():
+            raise StepInputError(f"block_copies names a block >= num_blocks={num_blocks}")
+        if np.unique(dst).size != dst.size or np.isin(dst, src).any():
+            raise StepInputError("block_copies must copy into distinct blocks that are "
+                                 "not themselves copied")
 
     def _validate_groups(self) -> None:
         if (self.kv_group_windows < 0).any():
@@ -545,6 +565,7 @@ def build_step_input(
         group_block_tables=group_block_tables,
         state_slots=np.fromiter((e.seq.state_slot for e in entries), _I32, B),
         prev_rows=_prev_rows(entries, query_start_loc, T),
+        block_copies=np.asarray(out.block_copies, _I32).reshape(-1, 2),
         **_sampling_arrays([entries[i] for i in rows]),
     )
 

@@ -172,6 +172,7 @@ def build_engine_config(
             # CPU: attention over a long context is most of a chunk's time (no fast kernel)
             chunk_context_tokens=(attention_parity_context(model_config)
                                   if device.device == "cpu" else 0),
+            copy_prefix_hits=device.device == "cpu",
             max_num_batched_tokens=_step_budget(max_num_batched_tokens, prefill_chunk_size,
                                                 device.device)),
         device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,

@@ -252,6 +252,8 @@ class ModelRunner:
         knows what it needs (the structured-output bitmask of rows whose grammar waits
         for the previous step's token). It must be called before the next ``launch``."""
         self._check_step(step)
+        if step.block_copies.size:
+            self._copy_blocks(step.block_copies)
         prev = None
         max_row = int(step.prev_rows.max()) if step.prev_rows.size else -1
         if max_row >= 0:  # placeholders: the previous step's sampled ids fill them in
@@ -310,13 +312,18 @@ class ModelRunner:
         return hidden[to_device(idx, self.device, torch.int64)]
 
     def _check_step(self, step: StepInput) -> None:
-        """The step's KV group windows must be this runner's own, its state slots in range."""
+        """The step's KV group windows must be this runner's own, its state slots and
+        copied blocks in range."""
         windows = [int(w) or None for w in step.kv_group_windows.tolist()]
         if windows != self.kv_layout.windows:
             raise StepInputError(
                 f"step {step.step_id} has KV groups {windows}, this cache has "
                 f"{self.kv_layout.windows}"
             )
+        copies = step.block_copies
+        if copies.size and copies.max() >= self.kv_layout.groups[0].num_blocks:
+            raise StepInputError(f"step {step.step_id} copies a block past the cache's "
+                                 f"{self.kv_layout.groups[0].num_blocks}")
         if self._state_layers:
             slots = step.state_slots
             if slots.size and (slots.min() < 0 or slots.max() >= self.kv_layout.num_state_slots):
@@ -332,6 +339,19 @@ class ModelRunner:
             extra_groups=[step.kv_group(g) for g in range(1, step.num_kv_groups)],
             state_slots=step.state_slots,
         )
+
+    def _copy_blocks(self, copies) -> None:
+        """``copies [C, 2]`` (src, dst) block ids of KV group 0: every layer of the group
+        copies its cache blocks (K and V, MLA's latent cache; FP8 as bytes), before
+        anything of the step writes a block."""
+        pairs = to_device(copies, self.device, torch.int64)  # [C, 2]
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for i in self.kv_layout.groups[0].layer_ids:
+            for t in self.kv_caches[i]:
+                if t is None:
+                    continue
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t  # no float8 index ops
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     def _reset_fresh_state_slots(self, meta: AttentionMetadata) -> None:
         """Zero the state of sequences with no computed tokens (new, or recomputing after

@@ -65,15 +65,19 @@ def test_tiny_models_match_one_rank(model, mode, tiny_models, tiny_reference):
 def test_prefix_cache_under_two_ranks(tiny_models):
     """Prompts that share a prefix, all added at once (later ones take the first one's
     blocks in the same step), on 2 ranks (--multithread: rank 1 gets the shared block
-    tables through the StepInput) with the prefix cache on, equal 1 rank with it off."""
+    tables through the StepInput) with the prefix cache on, equal 1 rank with it off.
+    Then one at a time (``--max-num-seqs 1``): each later prompt is admitted alone and,
+    on the CPU, takes its hit as block copies that every rank makes
+    (``StepInput.block_copies``)."""
     shared = "1!2?3#4%5&6!7?8#9%0&" * 3  # 60 tokens, all ids < 256
     prompts = [shared + "!?#", shared + "12", shared, "!?#" + shared]
     model = ["--w", str(tiny_models["llama"]), "--block-size", "8"]
     ref = run_generate(CVLLM, generate_args([*model, "--disable-prefix-cache"], prompts,
                                             NEW_TOKENS))
-    proc = run_generate(CVLLM, generate_args([*model, "--d", "0,1", "--multithread"], prompts,
-                                             NEW_TOKENS))
-    assert token_ids(proc) == token_ids(ref), proc.stderr[-3000:]
+    for one_at_a_time in ([], ["--max-num-seqs", "1"]):
+        proc = run_generate(CVLLM, generate_args([*model, "--d", "0,1", "--multithread"],
+                                                 prompts, NEW_TOKENS) + one_at_a_time)
+        assert token_ids(proc) == token_ids(ref), proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

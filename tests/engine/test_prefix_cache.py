@@ -81,3 +81,56 @@ def test_models_with_state_layers_run_without_it(caplog):
         assert not LLMEngine._prefix_caching(config, hybrid)
     assert "prefix caching is off for Qwen3NextForCausalLM" in caplog.text
     assert LLMEngine._prefix_caching(config, KVCacheLayout.single(64, 16))
+
+
+def test_a_lone_hit_is_copied_and_read_in_place(tiny, monkeypatch):
+    """On the CPU a sequence admitted alone takes its hit as copies in consecutive blocks
+    (``copy_prefix_hits``): its decode steps attend over views of the cache, never a
+    gather, and its tokens and log-probabilities are those of the shared hit and of no
+    cache at all (float32, the same kernels on the same values: equal to 1e-6)."""
+    import cvllm.attention.backends.torch_ref as torch_ref
+
+    gathers = []
+    real_gather = torch_ref._gather_rows
+    monkeypatch.setattr(torch_ref, "_gather_rows",
+                        lambda *a, **k: gathers.append(1) or real_gather(*a, **k))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    runs = {}
+    for name, kw in (("copy", {}), ("share", {}), ("none", {"disable_prefix_cache": True})):
+        engine = _llm(tiny, **kw).engine
+        if name == "share":
+            engine.scheduler.config.copy_prefix_hits = False
+        assert engine.scheduler.config.copy_prefix_hits == (name != "share")  # the CPU's
+        _run(engine, "warm", SHARED + [1, 2])
+        engine.add_request("x", SHARED + [4, 5, 6], params)
+        copies, outs = [], []
+        while engine.has_unfinished():
+            before = len(gathers)
+            outs += engine.step()
+            seq = next(iter(engine.scheduler.running), None)
+            if seq is not None and seq.num_computed_tokens > len(SHARED) + 3:
+                copies.append((list(seq.group_block_ids(0)), len(gathers) - before))
+        runs[name] = outs
+        if name == "copy":
+            ids, _ = copies[-1]
+            assert ids == list(range(ids[0], ids[0] + len(ids)))  # consecutive
+            assert all(n == 0 for _, n in copies)  # decodes read the cache in place
+            assert engine.metrics().prefix_cache_hits_total == len(SHARED)
+            m = engine.metrics()
+            assert m.kv_blocks_free == m.kv_blocks_total
+        if name == "share":
+            assert any(n > 0 for _, n in copies)  # the shared hit's blocks are gathered
+    final = {k: v[-1] for k, v in runs.items()}
+    assert final["copy"].num_cached_tokens == final["share"].num_cached_tokens == len(SHARED)
+    ids = {k: [t for o in v if o.request_id == "x" for t in o.delta_token_ids]
+           for k, v in runs.items()}
+    assert ids["copy"] == ids["share"] == ids["none"]
+    lps = {k: [lp for o in v if o.request_id == "x" for lp in o.logprobs]
+           for k, v in runs.items()}
+    assert len(lps["copy"]) == 6
+    for other in ("share", "none"):
+        assert len(lps[other]) == 6
+        for a, b in zip(lps["copy"], lps[other]):
+            assert a.token_id == b.token_id and a.top_ids.keys() == b.top_ids.keys()
+            assert abs(a.logprob - b.logprob) < 1e-6
+            assert all(abs(a.top_ids[t] - b.top_ids[t]) < 1e-6 for t in a.top_ids)
