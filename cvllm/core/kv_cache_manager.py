@@ -155,10 +155,12 @@ class KVCacheManager:
         """Like ``allocate(seq, num_new_tokens, hit)``, but seq takes fresh blocks for the
         hit's tokens as well, to be filled by copying the hit's blocks: returns the
         ``(src, dst)`` block pairs, or None, changing nothing, where that does not apply:
-        more than one KV group or state layers, or fewer plainly free blocks than seq
-        needs (a cached block is never evicted for it: it could be one of the hit's). The
-        hit's blocks stay as they were (cached, or shared by whoever holds them)."""
-        if len(self.groups) != 1 or self.num_state_slots or not hit.num_tokens:
+        more than one KV group, a sliding window (its hit starts with placeholders) or
+        state layers, or fewer plainly free blocks than seq needs (a cached block is never
+        evicted for it: it could be one of the hit's). The hit's blocks stay as they were
+        (cached, or shared by whoever holds them)."""
+        if (len(self.groups) != 1 or self.groups[0].sliding_window is not None
+                or self.num_state_slots or not hit.num_tokens):
             return None
         g, src = self.groups[0], list(hit.blocks[0])
         if seq.group_block_ids(0) or seq.num_computed_tokens != hit.num_tokens:

@@ -90,6 +90,9 @@ def test_the_manager_declines_without_plainly_free_blocks_or_with_groups_or_stat
     assert two.allocate_copying_hit(s2, 1, PrefixHit(4, [[0], [0]])) is None
     state = _kv(slots=2)
     assert state.allocate_copying_hit(s2, 1, PrefixHit(4, [[0]])) is None
+    sliding = _kv(groups=(KVCacheGroupConfig(8, 32),))  # Mistral-style: one sliding group
+    assert sliding.allocate_copying_hit(s2, 1, PrefixHit(4, [[0]])) is None
+    assert s2.group_block_ids(0) == []
 
 
 def test_the_scheduler_copies_only_for_a_lone_admission():
@@ -150,3 +153,21 @@ def test_block_copies_travel_and_bad_ones_are_refused():
             _step_with(bad).validate()
     with pytest.raises(StepInputError, match="num_blocks=8"):
         _step_with([[0, 9]]).validate(BS, 8)
+
+
+def test_a_sliding_window_hit_is_shared_not_copied():
+    """A hit of a sliding group starts with placeholders (blocks no query sees): nothing
+    to copy from, so such a model shares its hits whatever the flag says."""
+    kv = _kv(groups=(KVCacheGroupConfig(8, 64),))
+    sched = _scheduler(kv)
+    long_prompt = [7 + i for i in range(21)]  # 5 full blocks
+    sched.add(_seq(0, long_prompt))
+    _finish(sched)
+    again = _seq(1, long_prompt)
+    sched.add(again)
+    out = sched.schedule()
+    assert not out.block_copies and again.num_computed_tokens > 0
+    assert -1 in again.group_block_ids(0)  # placeholders before the window: shared hit
+    build_step_input(out, BS, (8,)).validate(BS, 64)
+    sched.update(out, {1: 3})
+    _finish(sched)
