@@ -321,8 +321,9 @@ class ModelRunner:
                 f"{self.kv_layout.windows}"
             )
         copies = step.block_copies
-        if copies.size and copies.max() >= self.kv_layout.groups[0].num_blocks:
-            raise StepInputError(f"step {step.step_id} copies a block past the cache's "
+        if copies.size and (copies.min() < 0
+                            or copies.max() >= self.kv_layout.groups[0].num_blocks):
+            raise StepInputError(f"step {step.step_id} copies a block outside the cache's "
                                  f"{self.kv_layout.groups[0].num_blocks}")
         if self._state_layers:
             slots = step.state_slots

@@ -134,3 +134,16 @@ def test_a_lone_hit_is_copied_and_read_in_place(tiny, monkeypatch):
             assert a.token_id == b.token_id and a.top_ids.keys() == b.top_ids.keys()
             assert abs(a.logprob - b.logprob) < 1e-6
             assert all(abs(a.top_ids[t] - b.top_ids[t]) < 1e-6 for t in a.top_ids)
+
+
+def test_the_runner_refuses_copies_outside_its_cache(tiny):
+    import numpy as np
+
+    from cvllm.core.step_input import StepInput, StepInputError
+
+    runner = _llm(tiny).engine.runner
+    for bad in ([[0, runner.num_blocks]], [[-1, 2]]):
+        step = StepInput.empty(1)
+        step.block_copies = np.asarray(bad, np.int32)
+        with pytest.raises(StepInputError, match="copies a block outside"):
+            runner.execute(step)
