@@ -374,6 +374,8 @@ class StepInput:
             raise StepInputError("state_slots must be distinct slot ids, or -1 for none")
 
     def _validate_copies(self, num_blocks: Optional[int]) -> None:
+        if not self.block_copies.size:
+            return  # the usual step: no numpy calls on the per-step path
         src, dst = self.block_copies[:, 0], self.block_copies[:, 1]
         if (self.block_copies < 0).any():
             raise StepInputError("block_copies must be non-negative block ids")
