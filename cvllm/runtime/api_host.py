@@ -306,6 +306,7 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
     ours, theirs = socket.socketpair()
     proc: Optional[subprocess.Popen] = None
     host: Optional[ApiHost] = None
+    listening = False
     try:
         host = ApiHost(async_engine, ours, hello)
         proc = spawn(command, theirs, log_args)
@@ -313,6 +314,7 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
         host.start()
         async_engine.start()
         wait_listening(host, proc)
+        listening = True
         # read by the API process before it listens: gone now, so that a server killed
         # with SIGKILL later leaves no copy of the tokenizer in the temporary folder
         shutil.rmtree(hello.tokenizer_dir, ignore_errors=True)
@@ -320,7 +322,10 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
                     host.address, proc.pid)
         _forward_signals_until_exit(proc, host, hello.shutdown_timeout_s)
     finally:
-        async_engine.shutdown(timeout=1.0)
+        # After serving, an exit deadline runs (bounded wait); a failed start has none, and
+        # the engine's daemon thread must be out of torch before the interpreter tears down
+        # (a thread still inside it then can abort the exit: SIGABRT, not the error's 2).
+        async_engine.shutdown(timeout=1.0 if listening else 10.0)
         if proc is not None and proc.poll() is None:
             proc.kill()
         if host is not None:
