@@ -308,8 +308,9 @@ class StepInput:
         self._validate_layout()
         self._validate_batch()
         self._validate_sampling()
-        self._validate_copies(None)
-        if block_size is not None:
+        if block_size is None:
+            self.validate_copies(None)
+        else:
             counts = num_blocks if isinstance(num_blocks, (list, tuple)) else \
                 [num_blocks] * self.num_kv_groups
             if len(counts) != self.num_kv_groups:
@@ -318,7 +319,7 @@ class StepInput:
                 )
             for g in range(self.num_kv_groups):
                 self._validate_slots(g, block_size, counts[g])
-            self._validate_copies(counts[0])
+            self.validate_copies(counts[0])
 
     def _validate_layout(self) -> None:
         if not 0 <= self.step_id < 2**64:
@@ -373,14 +374,18 @@ class StepInput:
         if (self.state_slots < -1).any() or np.unique(live).size != live.size:
             raise StepInputError("state_slots must be distinct slot ids, or -1 for none")
 
-    def _validate_copies(self, num_blocks: Optional[int]) -> None:
+    def validate_copies(self, num_blocks: Optional[int]) -> None:
+        """``block_copies``: ids in the cache (of ``num_blocks`` when given), each dst
+        distinct and not itself a src (also the runner's check on rank 0)."""
         if not self.block_copies.size:
             return  # the usual step: no numpy calls on the per-step path
         src, dst = self.block_copies[:, 0], self.block_copies[:, 1]
         if (self.block_copies < 0).any():
-            raise StepInputError("block_copies must be non-negative block ids")
+            raise StepInputError(f"step {self.step_id} copies a block outside the cache: "
+                                 "block ids must be non-negative")
         if num_blocks is not None and (self.block_copies >= num_blocks).any():
-            raise StepInputError(f"block_copies names a block >= num_blocks={num_blocks}")
+            raise StepInputError(f"step {self.step_id} copies a block outside the cache "
+                                 f"(num_blocks={num_blocks})")
         if np.unique(dst).size != dst.size or np.isin(dst, src).any():
             raise StepInputError("block_copies must copy into distinct blocks that are "
                                  "not themselves copied")

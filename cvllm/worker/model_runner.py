@@ -320,11 +320,7 @@ class ModelRunner:
                 f"step {step.step_id} has KV groups {windows}, this cache has "
                 f"{self.kv_layout.windows}"
             )
-        copies = step.block_copies
-        if copies.size and (copies.min() < 0
-                            or copies.max() >= self.kv_layout.groups[0].num_blocks):
-            raise StepInputError(f"step {step.step_id} copies a block outside the cache's "
-                                 f"{self.kv_layout.groups[0].num_blocks}")
+        step.validate_copies(self.kv_layout.groups[0].num_blocks)
         if self._state_layers:
             slots = step.state_slots
             if slots.size and (slots.min() < 0 or slots.max() >= self.kv_layout.num_state_slots):
