@@ -4,9 +4,14 @@ Usage::
 
     PYTHONPATH=. python tools/bench_ggml.py --out docs/benchmarks/ggml-h100.json
     PYTHONPATH=. python tools/bench_ggml.py --types Q4_K --sweep   # tile/path sweep too
+    PYTHONPATH=. python tools/bench_ggml.py --types Q4_K --ms 64 --sweep --jobs 16
+    # the tensor-core products (SWAP off / on x tiles) where they matter, one run:
+    PYTHONPATH=. python tools/bench_ggml.py --sweep --jobs 16 --out ggml-mm-variants.json \
+        --cases Q4_K:qkv,o_proj,gate_up,down:16,32,64,128 Q6_K:lm_head:64
 
 For each GGML type, each weight shape of the 8B Llama decoder and each row count M, the
-planned ``linear`` (``choose_path`` and the tile plans) is timed, with ``F.linear`` on a
+planned ``linear`` (``choose_path`` and the tile plans) is timed (on the tensor-core path
+also its tiles with the other product, ``swap_flipped_us``), with ``F.linear`` on a
 bf16 weight of the same shape (cuBLAS) and, at M = 1, ``kernels/gemv.py``. Reported: the
 time, the weight bytes streamed per second (the quantized bytes of the split layout,
 ``CudaGgmlWeight.nbytes``; at M = 1 this is the roofline figure), TFLOP/s (2 M N K / t),
@@ -19,8 +24,18 @@ enough copies (more than 512 MiB together) that every call reads them from HBM, 
 model step; from M = 256 (compute-bound) over 4 copies. ``--sweep`` also times the
 candidate configs of each path (``candidates``) and the dense path, for choosing the
 plans; ``--warm`` only calls each once (compiling it into Triton's cache: run several
-such processes in parallel first, the compiles dominate a cold run). Rows are written to
-``--out`` as they are measured, so a run cut short keeps what it measured.
+such processes in parallel first, the compiles dominate a cold run; ``--jobs N`` does
+that itself, N processes of one (type, shape, M) each, before it times anything). Rows
+are written to ``--out`` as they are measured, so a run cut short keeps what it measured.
+``--cases TYPE:SHAPES:MS ..`` runs each type on its own shapes and row counts instead of
+the ``--types x --shapes x --ms`` product.
+
+The tensor-core kernel's sweep (16 to 128 rows) crosses tiles near ``plan_mm``'s (BK 64 to
+256, 4 or 8 warps, 2 to 4 stages) with both of ``ggml_mm_kernel``'s products (``SWAP``:
+the weight as the dot's A operand): configs of eight values, K split as ``plan_mm`` would
+split that tile (``_split_for``). A third variant, the weight tile left in its interleaved
+K order with x loaded or permuted to match, was 5% to 4x slower everywhere on an H200
+(docs/benchmarks/ggml-mm-variants-h200.json, its ``XPERM`` 1 / 2) and was removed.
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +55,9 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 WARM_ONLY = False
 """``--warm``: call every candidate once (compiling it into Triton's cache), time nothing."""
+PART = (0, 1)
+"""``--part i/n``: sweep only candidates ``i, i + n, ..`` (a ``--jobs`` warm-up process's
+share)."""
 
 
 def _ms(calls: List[Callable[[], Any]], m: int) -> float:
@@ -98,10 +116,54 @@ def _i8_order(c: tuple) -> tuple:
     return c[1], c[0], c[2], c[3]
 
 
-def candidates(m: int, int8: bool = False, wps: int = 4) -> List[tuple]:
+_MM_TILES = {  # rows up to -> (BM, BN, BK, num_warps, num_stages) crossed with the variants
+    16: [(16, 64, 256, 4, 3), (16, 64, 128, 4, 3), (16, 64, 256, 4, 4), (16, 64, 256, 8, 3),
+         (16, 128, 256, 8, 3)],
+    32: [(32, 64, 128, 4, 3), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 64, 128, 8, 3),
+         (32, 128, 128, 8, 3)],
+    64: [(64, 64, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 2),
+         (64, 64, 128, 4, 4), (64, 64, 128, 8, 3), (64, 128, 128, 4, 3), (64, 128, 64, 4, 3),
+         (64, 128, 128, 8, 3), (64, 128, 64, 8, 4)],
+    128: [(128, 64, 128, 4, 3), (128, 64, 128, 8, 3), (128, 64, 64, 4, 3),
+          (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)],
+}
+"""Tiles around ``plan_mm``'s choice at each row count (its own first)."""
+MM_VARIANTS = [False, True]
+"""``SWAP`` of ``ggml_mm_kernel``."""
+
+
+def _split_for(m: int, n: int, k: int, bm: int, bn: int, bk: int, num_sms: int) -> int:
+    """K split for a tile, as ``plan_mm`` splits: the fewest (1, 2, 4, 8) whose programs
+    cover the SMs, keeping at least two K steps a split."""
+    tiles = -(-m // bm) * -(-n // bn)
+    split = 1
+    while split < 8 and tiles * split < num_sms:
+        split *= 2
+    while split > 1 and k // (bk * split) < 2:
+        split //= 2
+    return split
+
+
+def mm_variant_candidates(m: int, n: int, k: int, sb: int = 32, num_sms: int = 132
+                          ) -> List[tuple]:
+    """``("mm", 8-tuple)`` for every tile of ``_MM_TILES`` at ``m`` rows (16 < m <= 128
+    round up to 32, 64, 128) crossed with ``MM_VARIANTS``, K split by ``_split_for``."""
+    bucket = next(b for b in sorted(_MM_TILES) if m <= b)
+    out = []
+    for bm, bn, bk, warps, stages in _MM_TILES[bucket]:
+        bk = max(bk, sb)
+        split = _split_for(m, n, k, bm, bn, bk, num_sms)
+        out += [("mm", (bm, bn, bk, warps, stages, 8, split, swap)) for swap in MM_VARIANTS]
+    return out
+
+
+def candidates(m: int, int8: bool = False, wps: int = 4, n: int = 0, k: int = 0,
+               sb: int = 32, num_sms: int = 132) -> List[tuple]:
     """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows (``int8``: Q4_0 / Q4_1
     / Q4_K / Q8_0, which also have the int8 GEMV; ``wps`` 8 for Q8_0, whose K steps are
-    halved to hold as many words)."""
+    halved to hold as many words). With the weight's shape ``n, k`` (and its sub-block
+    ``sb``), 16 to 128 rows also sweep the tensor-core variants (``mm_variant_candidates``)."""
+    variants = mm_variant_candidates(m, n, k, sb, num_sms) if n and 16 <= m <= 128 else []
     if m == 1:
         i8 = sorted({(bn, max(32, bk * 4 // wps), w, p) for bn, bk, w, p in _GEMV_I8_SWEEP},
                     key=_i8_order)
@@ -112,18 +174,33 @@ def candidates(m: int, int8: bool = False, wps: int = 4) -> List[tuple]:
                                       (8, 2048, 4, True), (16, 2048, 4, True)]] + [
             ("mm", (16, 64, 256, 4, 3, 8, s)) for s in (2, 4)]
     if m <= 16:
-        return [("mm", c) for c in [
+        out = variants + [("mm", c) for c in [
             (16, 64, 256, 4, 3, 8, 2), (16, 64, 256, 4, 3, 8, 4), (16, 64, 256, 4, 3, 8, 8),
             (16, 32, 256, 4, 3, 8, 4), (16, 32, 256, 4, 3, 8, 8), (16, 128, 256, 4, 3, 8, 2),
             (16, 128, 256, 4, 3, 8, 4)]]
-    if m <= 64:
-        return [("mm", c) for c in _MM64_SWEEP] + [("dense", None)]
-    if m <= 256:
-        return [("mm", c) for c in [
+    elif m <= 32 and variants:
+        out = variants + [("dense", None)]
+    elif m <= 64:
+        out = variants + [("mm", c) for c in _MM64_SWEEP] + [("dense", None)]
+    elif m <= 256:
+        out = variants + [("mm", c) for c in [
             (128, 128, 64, 8, 3, 8, 1), (128, 128, 64, 8, 3, 8, 2), (128, 64, 128, 4, 3, 8, 1),
             (64, 128, 128, 4, 3, 8, 1), (128, 128, 128, 8, 3, 8, 1)]] + [("dense", None)]
-    return [("mm", c) for c in [(128, 128, 64, 8, 3, 8, 1), (128, 256, 64, 8, 3, 8, 1),
-                                (128, 128, 128, 8, 4, 8, 1)]] + [("dense", None)]
+    else:
+        out = [("mm", c) for c in [(128, 128, 64, 8, 3, 8, 1), (128, 256, 64, 8, 3, 8, 1),
+                                   (128, 128, 128, 8, 4, 8, 1)]] + [("dense", None)]
+    return _unique(out)
+
+
+def _unique(cands: List[tuple]) -> List[tuple]:
+    """``cands`` without repeats (a 7-tuple config is its 8-tuple with ``SWAP`` off)."""
+    seen, out = set(), []
+    for path, cfg in cands:
+        key = (path, tuple(cfg) + (False,) if cfg is not None and len(cfg) == 7 else cfg)
+        if key not in seen:
+            seen.add(key)
+            out.append((path, cfg))
+    return out
 
 
 _BF16: Dict[tuple, Dict[str, float]] = {}
@@ -175,6 +252,11 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
             row["rel_err_vs_bf16_dense"] = ((got - want).norm() / want.norm()).item()
             t_ms = _ms([lambda w=w: gc.linear(x, w) for w in ws], m)
             row.update(us=t_ms * 1e3, GBps=qbytes / t_ms / 1e6, TFLOPs=flops / t_ms / 1e9)
+            if row["path"] == "mm":  # the planned tiles with the other product
+                plan = gc.mm_config(None, m, n, k, probe.spec, gc._sms(x))
+                flip = plan[:7] + (not plan[7],)
+                f_ms = _ms([lambda w=w: gc.linear(x, w, path="mm", config=flip) for w in ws], m)
+                row.update(config=plan, swap_flipped_config=flip, swap_flipped_us=f_ms * 1e3)
             if not WARM_ONLY:
                 row.update(_bf16_baseline(shape, m, x, bf))
                 row["speedup_vs_bf16"] = row["bf16_cublas_us"] / row["us"]
@@ -190,9 +272,11 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     from cvllm.kernels.quant import ggml_cuda as gc
 
     spec = ws[0].spec
-    cands = candidates(m, gc.takes_int8_gemv(spec), spec.sb * spec.lb // 32)
+    n, k = ws[0].shape
+    cands = candidates(m, gc.takes_int8_gemv(spec), spec.sb * spec.lb // 32, n, k, spec.sb,
+                       gc._sms(x))
     out = []
-    for path, cfg in cands:
+    for path, cfg in cands[PART[0]::PART[1]]:
         try:
             got = gc.linear(x, ws[0], path=path, config=cfg).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -205,6 +289,49 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     return out
 
 
+def parse_cases(cases: List[str]) -> List[Tuple[str, List[str], List[int]]]:
+    """``TYPE:SHAPE,SHAPE:M,M`` strings -> ``(type, shapes, ms)``, checked."""
+    out = []
+    for case in cases:
+        parts = case.split(":")
+        if len(parts) != 3:
+            raise SystemExit(f"--cases takes TYPE:SHAPES:MS; got {case!r}")
+        tname, shapes, ms = parts[0], parts[1].split(","), [int(m) for m in parts[2].split(",")]
+        bad = [sh for sh in shapes if sh not in SHAPES]
+        if bad:
+            raise SystemExit(f"unknown shapes {bad}; known: {list(SHAPES)}")
+        out.append((tname, shapes, ms))
+    return out
+
+
+def warm_in_parallel(work, sweep_of, jobs: int, parts: int = 4) -> None:
+    """Compile everything ``work`` will call into Triton's cache first, in ``jobs``
+    processes at a time (``--warm``): one (type, shape, M) each, its sweep in ``parts``
+    shares. The compiles (each about a second of one CPU core) would otherwise dominate,
+    one after another, the timed run."""
+    import subprocess
+
+    cmds = []
+    for tname, shapes, ms in work:
+        for shape in shapes:
+            swept = sweep_of(tname, shape)
+            for m in ms:
+                for i in range(parts if swept else 1):
+                    cmds.append([sys.executable, os.path.abspath(__file__), "--warm",
+                                 "--cases", f"{tname}:{shape}:{m}", "--part", f"{i}/{parts}"]
+                                + (["--sweep"] if swept else []))
+    start, running, failed = time.time(), [], 0
+    while cmds or running:
+        while cmds and len(running) < jobs:
+            running.append(subprocess.Popen(cmds.pop(0), stdout=subprocess.DEVNULL))
+        time.sleep(0.2)
+        for proc in [p for p in running if p.poll() is not None]:
+            running.remove(proc)
+            failed += proc.returncode != 0
+    print(f"warmed in {time.time() - start:.0f} s ({failed} warm-up processes failed)",
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -212,11 +339,31 @@ def main() -> int:
                     "IQ4_NL,IQ4_XS")
     ap.add_argument("--ms", default="1,16,64,256,2048")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--cases", nargs="+", default=None, metavar="TYPE:SHAPES:MS",
+                    help="each type on its own shapes and row counts (e.g. Q4_K:qkv,down:16,64 "
+                    "Q6_K:lm_head:64), instead of --types x --shapes x --ms")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate config")
     ap.add_argument("--sweep-types", default="", help="types swept (default: --types)")
     ap.add_argument("--sweep-shapes", default="", help="shapes swept (default: --shapes)")
     ap.add_argument("--warm", action="store_true", help="compile every candidate, time nothing")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile first in this many --warm processes at once (the host's "
+                    "cores), then time")
+    ap.add_argument("--part", default="0/1", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cases:
+        work = parse_cases(args.cases)
+    else:
+        shapes = args.shapes.split(",")
+        work = [(tname, shapes, [int(m) for m in args.ms.split(",")])
+                for tname in args.types.split(",")]
+    sweep_types = set(args.sweep_types.split(",")) if args.sweep_types else None
+    sweep_shapes = set(args.sweep_shapes.split(",")) if args.sweep_shapes else None
+
+    def sweep_of(tname: str, shape: str) -> bool:
+        return args.sweep and (sweep_types is None or tname in sweep_types) and (
+            sweep_shapes is None or shape in sweep_shapes)
+
     import torch
 
     import bench_measure as bmeas
@@ -224,8 +371,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_ggml needs a CUDA device", file=sys.stderr)
         return 2
-    global WARM_ONLY
+    global WARM_ONLY, PART
     WARM_ONLY = args.warm
+    PART = tuple(int(v) for v in args.part.split("/"))
+    if args.jobs > 1 and not WARM_ONLY:
+        warm_in_parallel(work, sweep_of, args.jobs)
     dev = torch.device("cuda")
     res: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
@@ -235,8 +385,9 @@ def main() -> int:
                                bmeas.matmul_rate(dev, 8192, torch.bfloat16, True) / 1e12),
         "rows": [],
     }
-    print(f"{res['device']}: copy {res['copy_GBps']:.0f} GB/s, bf16 matmul "
-          f"{res['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if not WARM_ONLY:
+        print(f"{res['device']}: copy {res['copy_GBps']:.0f} GB/s, bf16 matmul "
+              f"{res['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
     def emit(row: Dict[str, Any]) -> None:
         res["rows"].append(row)
@@ -249,19 +400,39 @@ def main() -> int:
               + (f" | gemv16 {row['bf16_gemv_us']:.1f} us" if "bf16_gemv_us" in row else "")
               + (f" | best {best.get('path')} {best.get('config')} {best.get('us', 0):.1f} us"
                  if best else "") + f" err {row['rel_err_vs_bf16_dense']:.1e}", flush=True)
+        for line in variant_summary(row.get("sweep") or []):
+            print("    " + line, flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
-    sweep_types = set(args.sweep_types.split(",")) if args.sweep_types else None
     start = time.time()
-    for tname in args.types.split(","):
-        sweep = args.sweep and (sweep_types is None or tname in sweep_types)
-        shapes = args.shapes.split(",")
-        swept = (args.sweep_shapes.split(",") if args.sweep_shapes else shapes) if sweep else []
-        bench_type(tname, [int(m) for m in args.ms.split(",")], shapes, swept, emit)
+    for tname, shapes, ms in work:
+        swept = [sh for sh in shapes if sweep_of(tname, sh)]
+        bench_type(tname, ms, shapes, swept, emit)
     print(f"done in {time.time() - start:.0f} s", flush=True)
     return 0
+
+
+def variant_summary(sweep: List[Dict[str, Any]]) -> List[str]:
+    """One line per tensor-core product (``SWAP`` off / on) of a sweep: its fastest
+    config, and how many of its configs failed (did not compile, or past the error
+    bound)."""
+    best: Dict[bool, Dict[str, Any]] = {}
+    failed: Dict[bool, int] = {}
+    for r in sweep:
+        cfg = r.get("config")
+        if r.get("path") != "mm" or cfg is None:
+            continue
+        key = bool(cfg[7]) if len(cfg) == 8 else False
+        if "us" not in r or r.get("rel_err", 0) > 2e-2:
+            failed[key] = failed.get(key, 0) + 1
+        elif key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return [f"SWAP={int(k)}: {best[k]['us']:8.1f} us {tuple(best[k]['config'])}"
+            + (f" ({failed[k]} failed)" if failed.get(k) else "")
+            for k in sorted(best)] + [f"SWAP={int(k)}: all {v} failed"
+                                      for k, v in sorted(failed.items()) if k not in best]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ return in a constexpr branch and another after it (the compiler types every retu
 statement, and stores after such an early return are compiled too). The first Q8_0 build
 of the int8 GEMV passed every interpreted test and failed to compile on 2 x H200. Here
 each variant of ``ggml_gemv_i8_kernel`` and ``ggml_q8_kernel`` is compiled to PTX for
-sm_90 by Triton's own compiler (its bundled ptxas), as the GPU would compile it."""
+sm_90 by Triton's own compiler (its bundled ptxas), as the GPU would compile it; so are the
+the tensor-core ``ggml_mm_kernel``'s two products (``SWAP`` off and on)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,19 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from cvllm.kernels.quant import ggml_kernels as gk  # noqa: E402
+from cvllm.kernels.quant.ggml_pack import SPECS  # noqa: E402
+from cvllm.kernels.quant.ggml_types import GgmlType  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-def _compile(fn, pointers, constexprs):
+def _compile(fn, pointers, constexprs, **options):
     names = fn.arg_names
     sig = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
     except Exception as e:  # noqa: BLE001 - a backend missing here is not a kernel bug
         if "CompilationError" in type(e).__name__ or "TypeError" in repr(e):
             raise
@@ -68,3 +71,40 @@ def test_q8_kernel_compiles_for_sm90(wps):
         ptx = compiled.asm["ptx"]
         # the 8-bit form stores one run of words, the 4-bit form two (xe, then xd)
         assert "st.global" in ptx
+
+
+def _compile_mm(t, bm, bn, bk, warps, stages, split, swap):
+    """``ggml_mm_kernel`` for type ``t`` with a bf16 x and these tiles."""
+    spec = SPECS[t]
+    signed_sc = t in (GgmlType.Q3_K, GgmlType.Q6_K, GgmlType.IQ4_XS)
+    pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "ws_ptr": "*fp32",
+                "lo_ptr": "*i32", "hi_ptr": "*i16" if t == GgmlType.Q3_K else "*i32",
+                "d_ptr": "*fp16", "dm_ptr": "*fp16", "sc_ptr": "*i8" if signed_sc else "*u8",
+                "mn_ptr": "*u8"}
+    return _compile(gk.ggml_mm_kernel, pointers, dict(
+        SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
+        OFF=spec.off, LUT=spec.lut, BM=bm, BN=bn, NSUB=bk // spec.sb, GROUP_M=8,
+        HAS_BIAS=False, EVEN_K=True, EVICT_FIRST=True, SPLIT=split, UPCAST=False, SWAP=swap),
+        num_warps=warps, num_stages=stages)
+
+
+@pytest.mark.parametrize("t", [GgmlType.Q4_K, GgmlType.Q6_K], ids=lambda t: t.name)
+def test_mm_plans_compile_for_sm90(t):
+    """The planned tiles of both products (a compile is about a second on CI's cores):
+    swapped at 16, 32 and 128 rows (128 with 8 warps), unswapped 64 x 128 / 64 x 64 at 64
+    rows, split K or not. Every one is a wgmma (``SWAP``: the weight from registers)."""
+    for bm, bn, bk, warps, split, swap in [(16, 64, 256, 4, 4, True), (32, 64, 128, 4, 1, True),
+                                           (128, 64, 128, 8, 2, True),
+                                           (64, 128, 128, 4, 8, False),
+                                           (64, 64, 128, 4, 1, False)]:
+        ptx = _compile_mm(t, bm, bn, bk, warps, 3, split, swap).asm["ptx"]
+        assert "wgmma.mma_async" in ptx, (bm, bn, split, swap)
+
+
+def test_mm_swap_takes_wgmma_at_16_rows():
+    """At 16 rows the planned kernel's dot is 16 x 64 (mma.sync: wgmma's M is 64); swapped
+    it is 64 x 16, a wgmma with the weight from registers."""
+    plain = _compile_mm(GgmlType.Q4_K, 16, 64, 256, 4, 3, 4, False).asm["ptx"]
+    swapped = _compile_mm(GgmlType.Q4_K, 16, 64, 256, 4, 3, 4, True).asm["ptx"]
+    assert "mma.sync" in plain and "wgmma" not in plain
+    assert "wgmma.mma_async" in swapped and "m64n16k16" in swapped

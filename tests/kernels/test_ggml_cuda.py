@@ -200,6 +200,16 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
                                          "silu") is None
 
 
+MM_SWAPPED = [(3, (16, 64, 256, 4, 2, 8, 1, True)), (17, (32, 64, 256, 4, 2, 8, 2, True))]
+MM_SWAPPED_MORE = [(64, (64, 32, 256, 4, 2, 8, 1, True)), (17, (32, 64, 128, 4, 2, 8, 4, True))]
+SWAP_TYPES = (GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.Q8_0,
+              GgmlType.IQ4_XS, GgmlType.Q2_K)
+"""The tensor-core kernel's transposed product (``ggml_kernels.ggml_mm_kernel``, ``SWAP``)
+against the reference: split K and not for every type, more shapes for ``SWAP_TYPES`` (one
+of each layout: 4-bit / 8-bit / 2-bit quants, 16- and 32-element sub-blocks, a high plane,
+the IQ4 table). Few, small programs: the interpreter's time grows with the programs."""
+
+
 def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     """Every path of one type at small, ragged shapes (N not a multiple of the row block)."""
     from cvllm.kernels.quant import ggml_cuda as gc
@@ -221,6 +231,8 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     check_linear(t, n, k, 3, path="mm", bias=True, **common)
     check_linear(t, n, k, 17, path="mm", config=(32, 32, 256, 4, 2, 8, 2), **common)
     check_linear(t, n, k, 5, path="dense", bias=True, **common)
+    for m, cfg in MM_SWAPPED + (MM_SWAPPED_MORE if t in SWAP_TYPES else []):
+        check_linear(t, n, k, m, path="mm", config=cfg, bias=m == 3, **common)
     if gc.takes_int8_gemv(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
         check_linear(t, n, k, 1, path="gemv_i8", bias=True, **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
@@ -256,12 +268,19 @@ def run_cpu_cases() -> None:
     # K not a whole number of tiles: masked K steps in every kernel.
     raw = random_raw(GgmlType.Q6_K, 24, 768)
     for m, path, cfg in [(1, "gemv", (8, 512, 4, False)), (1, "gemv", (8, 512, 4, True)),
-                         (9, "mm", (16, 16, 512, 4, 2, 8, 1))]:
+                         (9, "mm", (16, 16, 512, 4, 2, 8, 1)),
+                         (9, "mm", (16, 16, 512, 4, 2, 8, 1, True)),
+                         (9, "mm", (16, 32, 512, 4, 2, 8, 2, True))]:
         check_linear(GgmlType.Q6_K, 24, 768, m, path, cfg, raw=raw)
-    # plan-driven dispatch and a 3-D input
+    # seven values are the unswapped product: the same bits as SWAP given off
     from cvllm.kernels.quant import ggml_cuda as gc
 
     w = gc.prepare(raw, GgmlType.Q6_K)
+    x = torch.randn(9, 768).half()
+    cfg = (16, 16, 256, 4, 2, 8, 2)
+    assert torch.equal(gc.linear(x, w, path="mm", config=cfg),
+                       gc.linear(x, w, path="mm", config=cfg + (False,)))
+    # plan-driven dispatch and a 3-D input
     x = torch.randn(2, 3, 768).half()
     want = x.double() @ oracle(raw, GgmlType.Q6_K).double().T
     assert_close_rms(gc.linear(x, w), want, 2e-2)
@@ -328,6 +347,13 @@ def test_wrappers_reject_bad_inputs():
         gc.linear(gate_up[:1], w, act="relu")
     with pytest.raises(ValueError, match="disagree"):
         gc.linear(x[:1], w, act="silu")
+    for cfg, why in [((16, 64, 256, 4, 3, 8), "an mm config is"),
+                     ((8, 64, 256, 4, 3, 8, 1), "BM=8 must be"),
+                     ((16, 48, 256, 4, 3, 8, 1), "BN=48 must be"),
+                     ((16, 64, 256, 4, 3, 8, 1, True, 0), "an mm config is"),
+                     ((16, 64, 16, 4, 3, 8, 1), "sub-blocks")]:
+        with pytest.raises(ValueError, match=why):
+            gc.linear(x, w, path="mm", config=cfg)
     with pytest.raises(ValueError, match="field lo"):
         gc.linear(x, gc.CudaGgmlWeight(w.ggml_type, w.shape, w.lo[:, :8].contiguous(), w.d,
                                        dm=w.dm, sc=w.sc, mn=w.mn))
@@ -337,6 +363,34 @@ def test_wrappers_reject_bad_inputs():
         gc.embedding(w, torch.tensor([0.0]))
     with pytest.raises(ValueError, match="out of range"):
         gc.embedding(w, torch.tensor([8]))
+
+
+def test_mm_launch_rewords_what_does_not_compile(monkeypatch):
+    """A variant Triton's compiler refuses comes back as a ValueError naming the type and
+    config (the sweep records it and goes on); other failures pass through as they are."""
+    errors = pytest.importorskip("triton.runtime.errors")
+    from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.quant import ggml_kernels as gk
+
+    w = gc.prepare(random_raw(GgmlType.Q4_K, 8, 256), GgmlType.Q4_K)
+    x = torch.randn(2, 256).half()
+
+    class Failing:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise self.exc
+            return launch
+
+    monkeypatch.setattr(gk, "ggml_mm_kernel",
+                        Failing(errors.OutOfResources(300000, 232448, "shared memory")))
+    with pytest.raises(ValueError, match=r"does not compile for Q4_K .*1, True\)"):
+        gc.linear(x, w, path="mm", config=(16, 64, 256, 4, 3, 8, 1, True))
+    monkeypatch.setattr(gk, "ggml_mm_kernel", Failing(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        gc.linear(x, w, path="mm")
 
 
 def test_plans_cover_the_sms_and_split_small_grids():
@@ -351,23 +405,31 @@ def test_plans_cover_the_sms_and_split_small_grids():
                 assert bn & (bn - 1) == 0 and bk % spec.sb == 0 and bk & (bk - 1) == 0
                 assert -(-n // bn) >= 132 or bn == 1
             for m in (3, 16, 64, 128, 700):
-                bm, bn, bk, warps, stages, group, split = plan_mm(m, n, k, spec, 132)
-                assert bk % spec.sb == 0 and split in (1, 2, 4)
+                bm, bn, bk, warps, stages, group, split, swap = plan_mm(m, n, k, spec, 132)
+                assert bk % spec.sb == 0 and split in (1, 2, 4, 8) and bm >= min(m, 128)
                 assert split == 1 or k // (bk * split) >= 2
-    # The H100 sweep's choices (tools/bench_ggml.py).
+                heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)
+                assert swap == (m <= 32 or (m > 64 and not heavy))
+                if swap and k // (bk * split) >= 4:  # the split fills the SMs, if K allows
+                    assert -(-m // bm) * -(-n // bn) * split >= 132 or split == 8
+    # The H100 / H200 sweeps' choices (tools/bench_ggml.py).
     assert plan_gemv(1, 4096, 4096, SPECS[GgmlType.Q4_K], 132) == (8, 4096, 4, False)
     assert plan_gemv(2, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[0] == 16
     assert plan_gemv(1, 6144, 4096, SPECS[GgmlType.Q6_K], 132) == (8, 2048, 4, True)
-    assert plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[:3] + (
-        plan_mm(16, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[-1],) == (16, 64, 256, 4)
-    assert plan_mm(64, 28672, 4096, SPECS[GgmlType.Q4_K], 132)[1::5] == (128, 1)
     q4k, q6k = SPECS[GgmlType.Q4_K], SPECS[GgmlType.Q6_K]
+    assert plan_mm(16, 4096, 4096, q4k, 132) == (16, 64, 256, 4, 3, 8, 4, True)
+    assert plan_mm(16, 6144, 4096, q4k, 132)[6] == 2
+    assert plan_mm(32, 28672, 4096, q4k, 132) == (32, 64, 128, 4, 3, 8, 1, True)
+    assert plan_mm(32, 4096, 14336, q4k, 132) == (32, 64, 256, 4, 3, 8, 4, True)
+    assert plan_mm(128, 4096, 4096, q4k, 132) == (128, 64, 128, 8, 3, 8, 4, True)
+    assert plan_mm(128, 4096, 4096, q6k, 132) == (128, 64, 128, 8, 3, 8, 4, False)
+    assert plan_mm(64, 28672, 4096, q4k, 132)[1::5] == (128, 1)
     assert plan_gemv(1, 6144, 4096, q4k, 132) == (8, 2048, 4, False)
     assert plan_gemv(1, 28672, 4096, q4k, 132) == (8, 4096, 4, False)
     assert plan_gemv(1, 128256, 4096, q6k, 132) == (8, 1024, 2, True)
     assert plan_mm(64, 28672, 4096, q4k, 132)[1:3] == (128, 64)
     assert plan_mm(64, 128256, 4096, q4k, 132)[1:3] == (128, 128)
-    assert plan_mm(64, 4096, 14336, q4k, 132)[2::4] == (256, 2)
+    assert plan_mm(64, 4096, 14336, q4k, 132)[:7] == (64, 128, 128, 4, 3, 8, 8)
     assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
@@ -413,7 +475,7 @@ def test_every_path_gpu(t):
     n, k = 4096, 4096
     raw = random_raw(t, n, k, device="cuda")
     want_w = oracle(raw, t)
-    for m in (1, 2, 5, 64, 300, 1100):
+    for m in (1, 2, 5, 17, 64, 100, 300, 1100):  # 5, 17, 100: the swapped product
         check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda",
                      bias=(m == 5))
 
@@ -429,6 +491,14 @@ def test_8b_shapes_gpu(t, n, k):
     want_w = oracle(raw, t)
     for m in (1, 16, 64, 2048):
         check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda")
+    if n <= 6144:  # both products on the planned tiles of 16, 32, 64 and 128 rows
+        from cvllm.kernels.quant import ggml_cuda as gc
+
+        for m in (16, 32, 64, 128):
+            for swap in (False, True):
+                cfg = gc.plan_mm(m, n, k, gc.SPECS[t], gc._sms(raw))[:7] + (swap,)
+                check_linear(t, n, k, m, "mm", cfg, raw=raw, want_w=want_w,
+                             dtype=torch.bfloat16, device="cuda")
     if t == GgmlType.Q4_K and k == 14336:  # the down projection, its activation fused
         from cvllm.kernels.quant import ggml_cuda as gc
 

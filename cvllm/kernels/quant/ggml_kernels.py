@@ -153,14 +153,17 @@ def ggml_mm_kernel(
     MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr = False,
 ):
     """The ``[BM, BN]`` tile of ``y = x @ W^T (+ b)``; programs grouped ``GROUP_M`` row
     blocks at a time so a weight tile is reused from L2 by the row blocks that need it.
     ``SPLIT > 1``: program ``(pid, s)`` sums ``steps_per`` K steps from ``s * steps_per *
     BK`` (a multiple of BK, so the loads keep their alignment) into
     ``ws [SPLIT, M, N]`` float32 (``ggml_splitk_reduce`` adds them up, in order): small M
-    and N give too few tiles to keep the SMs busy."""
+    and N give too few tiles to keep the SMs busy.
+    ``SWAP``: the transposed product ``acc [BN, BM] = w @ x^T``, so the weight decoded in
+    registers is the dot's A operand (Hopper's wgmma reads A from registers, B only from
+    shared memory; and its M of 64 is the weight's rows, not the few rows of x)."""
     BK: tl.constexpr = NSUB * SB
     pid = tl.program_id(0)
     k_lo = tl.program_id(1) * steps_per * BK
@@ -178,7 +181,10 @@ def ggml_mm_kernel(
     offs_k = tl.arange(0, BK)
     mmask = (offs_m < M)[:, None]  # [BM, 1]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows,
                                           k0, K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE,
@@ -190,22 +196,28 @@ def ggml_mm_kernel(
             w = tile_weights(lo, hi, d, dm, sc, mn, SB, LB, HB, MODE, OFF, LUT,
                              NSUB, x_ptr.dtype.element_ty, magic)  # [BN, BK]
         if EVEN_K:
-            xk = tl.load(x_ptrs + k0, mask=mmask, other=0.0)
+            xk = tl.load(x_ptrs + k0, mask=mmask, other=0.0)  # [BM, BK]
         else:
             xk = tl.load(x_ptrs + k0, mask=mmask & ((k0 + offs_k) < K)[None, :], other=0.0)
         if UPCAST:
-            acc = tl.dot(xk.to(tl.float32), tl.trans(w), acc)
+            xk = xk.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xk), acc)  # [BN, BM]
         else:
             acc = tl.dot(xk, tl.trans(w), acc)  # [BM, BN]
+    if SWAP:
+        out = tl.trans(acc)  # [BM, BN]
+    else:
+        out = acc
     mask = mmask & (offs_n < N)[None, :]
     if SPLIT > 1:
         base = ws_ptr + tl.program_id(1).to(tl.int64) * M * N
-        tl.store(base + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=mask)
+        tl.store(base + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], out, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+            out += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=mask)
+                 out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
