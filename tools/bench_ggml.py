@@ -253,7 +253,7 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
             t_ms = _ms([lambda w=w: gc.linear(x, w) for w in ws], m)
             row.update(us=t_ms * 1e3, GBps=qbytes / t_ms / 1e6, TFLOPs=flops / t_ms / 1e9)
             if row["path"] == "mm":  # the planned tiles with the other product
-                plan = gc.mm_config(None, m, n, k, probe.spec, gc._sms(x))
+                plan = gc.mm_config(None, m, n, k, probe.spec, gc._sms(x), gc._has_wgmma(x))
                 flip = plan[:7] + (not plan[7],)
                 f_ms = _ms([lambda w=w: gc.linear(x, w, path="mm", config=flip) for w in ws], m)
                 row.update(config=plan, swap_flipped_config=flip, swap_flipped_us=f_ms * 1e3)

@@ -201,6 +201,7 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
 
 
 MM_SWAPPED = [(3, (16, 64, 256, 4, 2, 8, 1, True)), (17, (32, 64, 256, 4, 2, 8, 2, True))]
+"""(M, config) at N = 40, K = 512, bias on: unsplit and split K."""
 MM_SWAPPED_MORE = [(64, (64, 32, 256, 4, 2, 8, 1, True)), (17, (32, 64, 128, 4, 2, 8, 4, True))]
 SWAP_TYPES = (GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.Q8_0,
               GgmlType.IQ4_XS, GgmlType.Q2_K)
@@ -208,6 +209,8 @@ SWAP_TYPES = (GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlTy
 against the reference: split K and not for every type, more shapes for ``SWAP_TYPES`` (one
 of each layout: 4-bit / 8-bit / 2-bit quants, 16- and 32-element sub-blocks, a high plane,
 the IQ4 table). Few, small programs: the interpreter's time grows with the programs."""
+HEAVY = (GgmlType.Q8_0, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q5_K, GgmlType.Q6_K)
+"""The types whose 65-128-row tiles stay unswapped on Hopper (``plan_mm``)."""
 
 
 def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
@@ -232,7 +235,7 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     check_linear(t, n, k, 17, path="mm", config=(32, 32, 256, 4, 2, 8, 2), **common)
     check_linear(t, n, k, 5, path="dense", bias=True, **common)
     for m, cfg in MM_SWAPPED + (MM_SWAPPED_MORE if t in SWAP_TYPES else []):
-        check_linear(t, n, k, m, path="mm", config=cfg, bias=m == 3, **common)
+        check_linear(t, n, k, m, path="mm", config=cfg, bias=(m, cfg) in MM_SWAPPED, **common)
     if gc.takes_int8_gemv(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
         check_linear(t, n, k, 1, path="gemv_i8", bias=True, **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
@@ -272,15 +275,10 @@ def run_cpu_cases() -> None:
                          (9, "mm", (16, 16, 512, 4, 2, 8, 1, True)),
                          (9, "mm", (16, 32, 512, 4, 2, 8, 2, True))]:
         check_linear(GgmlType.Q6_K, 24, 768, m, path, cfg, raw=raw)
-    # seven values are the unswapped product: the same bits as SWAP given off
+    # plan-driven dispatch and a 3-D input
     from cvllm.kernels.quant import ggml_cuda as gc
 
     w = gc.prepare(raw, GgmlType.Q6_K)
-    x = torch.randn(9, 768).half()
-    cfg = (16, 16, 256, 4, 2, 8, 2)
-    assert torch.equal(gc.linear(x, w, path="mm", config=cfg),
-                       gc.linear(x, w, path="mm", config=cfg + (False,)))
-    # plan-driven dispatch and a 3-D input
     x = torch.randn(2, 3, 768).half()
     want = x.double() @ oracle(raw, GgmlType.Q6_K).double().T
     assert_close_rms(gc.linear(x, w), want, 2e-2)
@@ -351,7 +349,11 @@ def test_wrappers_reject_bad_inputs():
                      ((8, 64, 256, 4, 3, 8, 1), "BM=8 must be"),
                      ((16, 48, 256, 4, 3, 8, 1), "BN=48 must be"),
                      ((16, 64, 256, 4, 3, 8, 1, True, 0), "an mm config is"),
-                     ((16, 64, 16, 4, 3, 8, 1), "sub-blocks")]:
+                     ((16, 64, 16, 4, 3, 8, 1), "sub-blocks"),
+                     ((16, 64, 256, 3, 3, 8, 1), "num_warps=3"),
+                     ((16, 64, 256, 4, 3, 8, 0), "SPLIT=0"),
+                     ((16, 64, 256, 4, 0, 8, 1), "num_stages=0"),
+                     ((16, 64, 256, 4, 3, 8, 1, "False"), "SWAP='False'")]:
         with pytest.raises(ValueError, match=why):
             gc.linear(x, w, path="mm", config=cfg)
     with pytest.raises(ValueError, match="field lo"):
@@ -386,7 +388,7 @@ def test_mm_launch_rewords_what_does_not_compile(monkeypatch):
 
     monkeypatch.setattr(gk, "ggml_mm_kernel",
                         Failing(errors.OutOfResources(300000, 232448, "shared memory")))
-    with pytest.raises(ValueError, match=r"does not compile for Q4_K .*1, True\)"):
+    with pytest.raises(ValueError, match=r"cannot compile or launch for Q4_K .*1, True\)"):
         gc.linear(x, w, path="mm", config=(16, 64, 256, 4, 3, 8, 1, True))
     monkeypatch.setattr(gk, "ggml_mm_kernel", Failing(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
@@ -408,8 +410,9 @@ def test_plans_cover_the_sms_and_split_small_grids():
                 bm, bn, bk, warps, stages, group, split, swap = plan_mm(m, n, k, spec, 132)
                 assert bk % spec.sb == 0 and split in (1, 2, 4, 8) and bm >= min(m, 128)
                 assert split == 1 or k // (bk * split) >= 2
-                heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)
-                assert swap == (m <= 32 or (m > 64 and not heavy))
+                assert swap == (m <= 32 or (m > 64 and t not in HEAVY))
+                old = plan_mm(m, n, k, spec, 132, wgmma=False)  # no wgmma: never swapped
+                assert not old[7] and old[0] >= min(m, 128) and old[2] % spec.sb == 0
                 if swap and k // (bk * split) >= 4:  # the split fills the SMs, if K allows
                     assert -(-m // bm) * -(-n // bn) * split >= 132 or split == 8
     # The H100 / H200 sweeps' choices (tools/bench_ggml.py).
@@ -431,6 +434,11 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_mm(64, 128256, 4096, q4k, 132)[1:3] == (128, 128)
     assert plan_mm(64, 4096, 14336, q4k, 132)[:7] == (64, 128, 128, 4, 3, 8, 8)
     assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
+    # without wgmma (sm_80 / sm_89) the H100 sweep's mma.sync plan, as before
+    assert plan_mm(16, 4096, 4096, q4k, 132, wgmma=False) == (16, 64, 256, 4, 3, 8, 4, False)
+    assert plan_mm(32, 28672, 4096, q4k, 132, wgmma=False)[:7] == (32, 64, 128, 4, 3, 8, 4)
+    assert plan_mm(64, 4096, 14336, q4k, 132, wgmma=False)[1::5] == (64, 2)
+    assert plan_mm(128, 4096, 4096, q4k, 132, wgmma=False)[:7] == (128, 64, 128, 4, 3, 8, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
     # The int8 GEMV: one row of the plain 4-bit types and Q8_0 only, unless turned off.
@@ -475,7 +483,7 @@ def test_every_path_gpu(t):
     n, k = 4096, 4096
     raw = random_raw(t, n, k, device="cuda")
     want_w = oracle(raw, t)
-    for m in (1, 2, 5, 17, 64, 100, 300, 1100):  # 5, 17, 100: the swapped product
+    for m in (1, 2, 5, 17, 64, 100, 300, 1100):  # 5, 17 (and 100 but for HEAVY): swapped
         check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda",
                      bias=(m == 5))
 
@@ -499,6 +507,8 @@ def test_8b_shapes_gpu(t, n, k):
                 cfg = gc.plan_mm(m, n, k, gc.SPECS[t], gc._sms(raw))[:7] + (swap,)
                 check_linear(t, n, k, m, "mm", cfg, raw=raw, want_w=want_w,
                              dtype=torch.bfloat16, device="cuda")
+        check_linear(t, n, k, 17, raw=raw, want_w=want_w, dtype=torch.float16,
+                     device="cuda")  # the planned (swapped) product with fp16 activations
     if t == GgmlType.Q4_K and k == 14336:  # the down projection, its activation fused
         from cvllm.kernels.quant import ggml_cuda as gc
 

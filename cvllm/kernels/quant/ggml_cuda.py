@@ -24,10 +24,10 @@ number of rows M and the type (``choose_path``):
   (``ggml_kernels.ggml_gemv_kernel``); batch-1 decode is a pure weight stream.
 - ``mm`` (up to 128 rows): weight tiles dequantized in registers into ``tl.dot``, K split
   over several programs when the tiles alone leave SMs idle (a second kernel adds them).
-  Up to 32 rows (and from 65 for the lighter tiles) it computes the transposed product
-  (``SWAP``: the decoded weight is the A operand of Hopper's wgmma, read from registers,
+  On Hopper, up to 32 rows (and from 65 for the lighter tiles) it computes the transposed
+  product (``SWAP``: the decoded weight is the A operand of wgmma, read from registers,
   and the weight's rows its M of 64; unswapped, a 16- or 32-row x tile is the M of an
-  ``mma.sync``).
+  ``mma.sync``); other GPUs keep the earlier plan (``plan_mm``).
 - ``dense`` (M >= ``DENSE_MIN_M`` = 129, prefill): the weight dequantized into a bf16 /
   fp16 scratch, then cuBLAS.
 
@@ -260,49 +260,72 @@ def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
     return bn, bk, warps, prefetch and k > bk
 
 
-def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int
+def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int, wgmma: bool = True
             ) -> Tuple[int, int, int, int, int, int, int, bool]:
     """``(BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT, SWAP)`` of the tensor-core
-    kernel. From the H200 sweep over the 8B shapes (Q4_K; tools/bench_ggml.py ``--sweep``,
-    docs/benchmarks/ggml-mm-variants-h200.json): up to 32 rows and from 65 the transposed
-    product (``SWAP``) on a 64-row weight tile: 16 or 32 x rows with 4 warps, K steps of
-    256 elements where K is split (128 unsplit), 128 x rows with 8 warps and 128-element
-    steps; K split in 2, 4, .. until the tiles fill the SMs. A Q4_K layer's four products
-    against the earlier mma.sync plan: 176.6 -> 138.1 us at 16 rows, 245.4 -> 158.9 at
-    32, 380.0 -> 277.7 at 128 (bf16 cuBLAS 121.6 / 124.3 / 140.8); every type gains at
-    16 and 32 rows, but at 128 the types with the heavier tiles (Q8_0's 8-bit words, a
-    high plane: Q5_*, Q6_K) were 5-11% faster on the same tiles unswapped
-    (docs/benchmarks/ggml-swap-h200.json, ``swap_flipped_us``), so they keep them. At
-    33-64 rows the unswapped tiles stay best (an H100 sweep): 64x64 with K split 4 ways
-    while the tiles leave SMs idle, else 64x128 unsplit (2-bit types: 64 wide, Triton
-    3.6's dot-operand pass crashes on their 128-wide tile); Q4_K takes 64-element steps
-    where the 64x128
-    tiles fit two an SM (gate_up), and for a long K (down, K = 14336) 64x128 tiles split
-    8 ways (H200: 53.5 us against 63.7 for 64x64 split 2 with 256-element steps). A
-    split keeps at least two K steps."""
-    heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)  # Q8_0, Q5_*, Q6_K
-    swap = m <= 32 or (m > 64 and not heavy)
-    if m <= 32 or m > 64:
+    kernel; ``wgmma``: the GPU has Hopper's wgmma (``_has_wgmma``).
+
+    With wgmma, from the H200 sweep over the 8B shapes (Q4_K; tools/bench_ggml.py
+    ``--sweep``, docs/benchmarks/ggml-mm-variants-h200.json): up to 32 rows and from 65 a
+    64-row weight tile, 16 or 32 x rows with 4 warps and 256-element K steps (128 for 32
+    rows unsplit), 128 x rows with 8 warps and 128-element steps, K split in 2, 4, .. until
+    the tiles fill the SMs; on it the transposed product (``SWAP``: the decoded weight as
+    wgmma's register A operand). A Q4_K layer's four products against the mma.sync plan:
+    176.6 -> 138.1 us at 16 rows, 245.4 -> 158.9 at 32, 380.0 -> 277.7 at 128 (bf16 cuBLAS
+    121.6 / 124.3 / 140.8); every type measured gained at 16 and 32 rows (IQ4_XS's gate_up
+    even), but at 128 the types with the heavier tiles (Q8_0's 8-bit words, a high plane:
+    Q5_*, Q6_K) were 5-11% faster on the same tiles unswapped
+    (docs/benchmarks/ggml-swap-h200.json, ``swap_flipped_us``), so they keep them.
+
+    Without wgmma (and at 33-64 rows with it) the earlier plan, from an H100 sweep (Q4_K,
+    Q6_K, Q8_0): up to 16 rows a 16-row tile 64 wide, K split 4 ways; up to 32 rows the
+    same with 32; up to 64 rows 64x64 with K split 4 ways while the tiles leave SMs idle,
+    else 64x128 unsplit (2-bit types: 64 wide, Triton 3.6's dot-operand pass crashes on
+    their 128-wide tile); more rows 128x64. Q4_K at up to 64 rows: 64-element K steps
+    where the 64x128 tiles fit two an SM (gate_up: 97 us against 105), and for a long K
+    (down, K = 14336) 256-element steps split 2 ways (64 against 70), on an H200 64x128
+    tiles split 8 ways (53.5 against 63.7). A split keeps at least two K steps."""
+    swap = False
+    if wgmma and (m <= 32 or m > 64):
+        heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)  # Q8_0, Q5_*, Q6_K
+        swap = m <= 32 or not heavy
         bm = 16 if m <= 16 else 32 if m <= 32 else 128
         bn, warps, split = 64, (8 if bm == 128 else 4), 1
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         while tiles * split < num_sms and split < 8:
             split *= 2
-        bk = 128 if bm == 128 or split == 1 else 256
-        if bm == 16:
-            bk = 256
-    else:
+        bk = 128 if bm == 128 or (bm == 32 and split == 1) else 256
+    elif m <= 16:
+        bm, bn, bk, warps, split = 16, 64, 256, 4, 4
+    elif m <= 32:
+        bm, bn, bk, warps, split = 32, 64, 128, 4, 4
+    elif m <= 64:
         bm, bk, warps = 64, 128, 4
         bn = 128 if triton.cdiv(n, 128) >= num_sms and spec.lb != 2 else 64
         split = 4 if triton.cdiv(n, bn) < num_sms else 1
         if _is_q4k(spec) and bn == 128 and triton.cdiv(n, bn) <= 2 * num_sms:
             bk = 64  # Q4_K, N = 28672: two tiles an SM, in one wave
-        elif _is_q4k(spec) and split > 1 and k >= 8192:
-            bn, split = 128, 8  # Q4_K, long K (down)
+        elif _is_q4k(spec) and split > 1 and k >= 8192:  # Q4_K, long K (down)
+            bn, split = (128, 8) if wgmma else (64, 2)
+            bk = 128 if wgmma else 256
+    else:
+        bm, bn, bk, warps = 128, 64, 128, 4
+        split = 4 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < num_sms else 1
     bk = max(spec.sb, bk)
     while split > 1 and k // (bk * split) < 2:
         split //= 2
     return bm, bn, bk, warps, 3, 8, split, swap
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _has_wgmma(x: torch.Tensor) -> bool:
+    """Whether ``x``'s GPU has Hopper's wgmma (sm_90: the H100 / H200 the plans were
+    measured on); True off the GPU (the interpreter runs the wgmma plans' shapes)."""
+    return not x.is_cuda or _capability(x.device.index or 0)[0] == 9
 
 
 def _is_weight(w) -> None:
@@ -415,31 +438,39 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
 
 
 def mm_config(config: Optional[tuple], m: int, n: int, k: int, spec: PackSpec,
-              num_sms: int) -> Tuple[int, int, int, int, int, int, int, bool]:
+              num_sms: int, wgmma: bool = True
+              ) -> Tuple[int, int, int, int, int, int, int, bool]:
     """The tensor-core kernel's config ``(BM, BN, BK, num_warps, num_stages, GROUP_M,
     SPLIT, SWAP)``: ``config`` as given (seven values: unswapped; or all eight) or
     ``plan_mm``'s; refused (ValueError) where the kernel cannot take it."""
-    cfg = tuple(config) if config else plan_mm(m, n, k, spec, num_sms)
+    cfg = tuple(config) if config else plan_mm(m, n, k, spec, num_sms, wgmma)
     if len(cfg) == 7:
         cfg = cfg + (False,)
     if len(cfg) != 8:
         raise ValueError(f"an mm config is (BM, BN, BK, num_warps, num_stages, GROUP_M, "
                          f"SPLIT[, SWAP]); got {config!r}")
-    bm, bn, bk, warps, stages, group, split, swap = cfg
-    why = mm_refusal(spec, bm, bn, bk)
+    why = mm_refusal(spec, *cfg)
     if why:
         raise ValueError(f"mm config {cfg} refused: {why}")
-    return bm, bn, bk, warps, stages, group, split, bool(swap)
+    return cfg
 
 
-def mm_refusal(spec: PackSpec, bm: int, bn: int, bk: int) -> Optional[str]:
-    """Why ``ggml_mm_kernel`` cannot take these tiles for ``spec`` (None: it can): shapes
-    ``tl.dot`` refuses, said here instead of by the compiler."""
+def mm_refusal(spec: PackSpec, bm: int, bn: int, bk: int, warps: int = 4, stages: int = 3,
+               group: int = 8, split: int = 1, swap: bool = False) -> Optional[str]:
+    """Why ``ggml_mm_kernel`` cannot take this config for ``spec`` (None: it can): said
+    here instead of by the compiler or a division by zero."""
     for name, v in (("BM", bm), ("BN", bn), ("BK", bk)):
         if v < 16 or v & (v - 1):
             return f"{name}={v} must be a power of two >= 16 (tl.dot)"
     if bk % spec.sb:
         return f"BK={bk} is not a whole number of {spec.sb}-element sub-blocks"
+    if warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={warps} must be 1, 2, 4, 8 or 16"
+    for name, v in (("num_stages", stages), ("GROUP_M", group), ("SPLIT", split)):
+        if not isinstance(v, int) or v < 1:
+            return f"{name}={v!r} must be a positive integer"
+    if not isinstance(swap, bool):
+        return f"SWAP={swap!r} must be True or False"
     return None
 
 
@@ -455,7 +486,7 @@ def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, confi
     m, k = x2.shape
     n = w.shape[0]
     bm, bn, bk, warps, stages, group, split, swap = mm_config(
-        config, m, n, k, w.spec, _sms(x2))
+        config, m, n, k, w.spec, _sms(x2), _has_wgmma(x2))
     steps_per = triton.cdiv(triton.cdiv(k, split), bk)  # whole K steps a split
     split = triton.cdiv(k, steps_per * bk)
     ws = y
@@ -474,7 +505,7 @@ def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, confi
     except Exception as e:  # noqa: BLE001 - only the compiler's refusals are re-worded
         if not _compile_failure(e):
             raise
-        raise ValueError(f"ggml_mm_kernel does not compile for {w.ggml_type.name} with "
+        raise ValueError(f"ggml_mm_kernel cannot compile or launch for {w.ggml_type.name} with "
                          f"(BM, BN, BK, warps, stages, GROUP_M, SPLIT, SWAP) = "
                          f"{(bm, bn, bk, warps, stages, group, split, swap)}: "
                          f"{type(e).__name__}: {str(e)[:500]}") from e
