@@ -396,7 +396,7 @@ def test_mm_launch_rewords_what_does_not_compile(monkeypatch):
 
 
 def test_plans_cover_the_sms_and_split_small_grids():
-    from cvllm.kernels.quant.ggml_cuda import choose_path, plan_gemv, plan_mm
+    from cvllm.kernels.quant.ggml_cuda import choose_path, mm_refusal, plan_gemv, plan_mm
     from cvllm.kernels.quant.ggml_pack import SPECS
 
     for t in TYPES:
@@ -407,7 +407,9 @@ def test_plans_cover_the_sms_and_split_small_grids():
                 assert bn & (bn - 1) == 0 and bk % spec.sb == 0 and bk & (bk - 1) == 0
                 assert -(-n // bn) >= 132 or bn == 1
             for m in (3, 16, 64, 128, 700):
-                bm, bn, bk, warps, stages, group, split, swap = plan_mm(m, n, k, spec, 132)
+                plan = plan_mm(m, n, k, spec, 132)
+                assert mm_refusal(spec, *plan) is None  # launched unchecked
+                bm, bn, bk, warps, stages, group, split, swap = plan
                 assert bk % spec.sb == 0 and split in (1, 2, 4, 8) and bm >= min(m, 128)
                 assert split == 1 or k // (bk * split) >= 2
                 assert swap == (m <= 32 or (m > 64 and t not in HEAVY))

@@ -260,6 +260,7 @@ def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
     return bn, bk, warps, prefetch and k > bk
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int, wgmma: bool = True
             ) -> Tuple[int, int, int, int, int, int, int, bool]:
     """``(BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT, SWAP)`` of the tensor-core
@@ -441,9 +442,12 @@ def mm_config(config: Optional[tuple], m: int, n: int, k: int, spec: PackSpec,
               num_sms: int, wgmma: bool = True
               ) -> Tuple[int, int, int, int, int, int, int, bool]:
     """The tensor-core kernel's config ``(BM, BN, BK, num_warps, num_stages, GROUP_M,
-    SPLIT, SWAP)``: ``config`` as given (seven values: unswapped; or all eight) or
-    ``plan_mm``'s; refused (ValueError) where the kernel cannot take it."""
-    cfg = tuple(config) if config else plan_mm(m, n, k, spec, num_sms, wgmma)
+    SPLIT, SWAP)``: ``plan_mm``'s (cached: every launch asks), or ``config`` as given
+    (seven values: unswapped; or all eight), refused (ValueError) where the kernel cannot
+    take it."""
+    if not config:
+        return plan_mm(m, n, k, spec, num_sms, wgmma)
+    cfg = tuple(config)
     if len(cfg) == 7:
         cfg = cfg + (False,)
     if len(cfg) != 8:
