@@ -62,9 +62,10 @@ TYPES = [(0, -8, 4), (3, 0, 4), (0, -128, 8)]
 
 @pytest.mark.parametrize("mode,off,wps", TYPES)
 def test_gemv_i8_compiles_for_sm90(mode, off, wps):
+    q4k = mode == 3  # PackSpec.dd / scm: packed (d, dm) words, (sc, mn) halfwords
     pointers = {"x_ptr": "*i32", "xs_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
-                "lo_ptr": "*i32", "d_ptr": "*fp16", "dm_ptr": "*fp16", "sc_ptr": "*u8",
-                "mn_ptr": "*u8"}
+                "lo_ptr": "*i32", "d_ptr": "*i32" if q4k else "*fp16", "dm_ptr": "*fp16",
+                "sc_ptr": "*i16" if q4k else "*u8", "mn_ptr": "*u8"}
     # (x pre-rounded, prefetch, K a whole number of steps, gated activation): each branch
     # of the kernel at least once (a pre-rounded x carries its activation already)
     for xq, prefetch, even_k, act in ((False, False, True, 0), (True, True, False, 0),
@@ -95,11 +96,12 @@ def _compile_mm(t, bm, bn, bk, warps, stages, split, swap):
     signed_sc = t in (GgmlType.Q3_K, GgmlType.Q6_K, GgmlType.IQ4_XS)
     pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "ws_ptr": "*fp32",
                 "lo_ptr": "*i32", "hi_ptr": "*i16" if t == GgmlType.Q3_K else "*i32",
-                "d_ptr": "*fp16", "dm_ptr": "*fp16", "sc_ptr": "*i8" if signed_sc else "*u8",
+                "d_ptr": "*i32" if spec.dd else "*fp16", "dm_ptr": "*fp16",
+                "sc_ptr": "*i16" if spec.scm else "*i8" if signed_sc else "*u8",
                 "mn_ptr": "*u8"}
     return _compile(gk.ggml_mm_kernel, pointers, dict(
         SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
-        OFF=spec.off, LUT=spec.lut, BM=bm, BN=bn, NSUB=bk // spec.sb, GROUP_M=8,
+        OFF=spec.off, LUT=spec.lut, DD=spec.dd, SCM=spec.scm, BM=bm, BN=bn, NSUB=bk // spec.sb, GROUP_M=8,
         HAS_BIAS=False, EVEN_K=True, EVICT_FIRST=True, SPLIT=split, UPCAST=False, SWAP=swap),
         num_warps=warps, num_stages=stages)
 

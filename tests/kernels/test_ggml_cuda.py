@@ -412,7 +412,8 @@ def test_plans_cover_the_sms_and_split_small_grids():
                 bm, bn, bk, warps, stages, group, split, swap = plan
                 assert bk % spec.sb == 0 and split in (1, 2, 4, 8) and bm >= min(m, 128)
                 assert split == 1 or k // (bk * split) >= 2
-                assert swap == (m <= 32 or (m > 64 and t not in HEAVY))
+                q4k_down = t == GgmlType.Q4_K and m == 64 and k >= 8192 and split > 1
+                assert swap == (m <= 32 or (m > 64 and t not in HEAVY) or q4k_down)
                 old = plan_mm(m, n, k, spec, 132, wgmma=False)  # no wgmma: never swapped
                 assert not old[7] and old[0] >= min(m, 128) and old[2] % spec.sb == 0
                 if swap and k // (bk * split) >= 4:  # the split fills the SMs, if K allows
@@ -432,9 +433,11 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_gemv(1, 6144, 4096, q4k, 132) == (8, 2048, 4, False)
     assert plan_gemv(1, 28672, 4096, q4k, 132) == (8, 4096, 4, False)
     assert plan_gemv(1, 128256, 4096, q6k, 132) == (8, 1024, 2, True)
-    assert plan_mm(64, 28672, 4096, q4k, 132)[1:3] == (128, 64)
+    assert plan_mm(64, 28672, 4096, q4k, 132)[1:3] == (128, 128)
+    assert plan_mm(64, 28672, 4096, q4k, 132, wgmma=False)[1:3] == (128, 64)
     assert plan_mm(64, 128256, 4096, q4k, 132)[1:3] == (128, 128)
-    assert plan_mm(64, 4096, 14336, q4k, 132)[:7] == (64, 128, 128, 4, 3, 8, 8)
+    assert plan_mm(64, 4096, 14336, q4k, 132) == (64, 128, 64, 4, 3, 8, 8, True)
+    assert plan_mm(64, 4096, 14336, q4k, 132, wgmma=False)[:7] == (64, 64, 256, 4, 3, 8, 2)
     assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
     # without wgmma (sm_80 / sm_89) the H100 sweep's mma.sync plan, as before
     assert plan_mm(16, 4096, 4096, q4k, 132, wgmma=False) == (16, 64, 256, 4, 3, 8, 4, False)

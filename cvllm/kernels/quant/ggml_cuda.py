@@ -119,7 +119,7 @@ class CudaGgmlWeight:
     lo: torch.Tensor
     """int32 ``[N, K * LB / 32]``: the low bits of the quants, in element order."""
     d: torch.Tensor
-    """fp16 ``[N, K / SUPER]``: block scales."""
+    """fp16 ``[N, K / SUPER]``: block scales (int32 with the mins: ``PackSpec.dd``)."""
     hi: Optional[torch.Tensor] = None
     dm: Optional[torch.Tensor] = None
     sc: Optional[torch.Tensor] = None
@@ -172,15 +172,14 @@ def _check_weight(w: CudaGgmlWeight) -> None:
         raise ValueError(f"GGML type {w.ggml_type!r} has no GPU kernels here")
     spec, (n, k) = w.spec, w.shape
     want = {"lo": ((n, k * spec.lb // 32), (torch.int32,)),
-            "d": ((n, k // spec.superblock), (torch.float16,))}
+            "d": ((n, k // spec.superblock), (torch.int32 if spec.dd else torch.float16,))}
     if spec.hb:
         want["hi"] = ((n, k // spec.sb), (torch.int16, torch.int32))
-    if spec.mode in (1, 3, 4):
+    if spec.mode == 1:
         want["dm"] = ((n, k // spec.superblock), (torch.float16,))
     if spec.mode >= 2:
-        want["sc"] = ((n, k // spec.sb), (torch.int8, torch.uint8))
-    if spec.mode == 3:
-        want["mn"] = ((n, k // spec.sb), (torch.uint8,))
+        want["sc"] = ((n, k // spec.sb), (torch.int16,) if spec.scm else (torch.int8,
+                                                                           torch.uint8))
     for name, (shape, dtypes) in want.items():
         v = getattr(w, name)
         if v is None or tuple(v.shape) != shape or v.dtype not in dtypes or not v.is_contiguous():
@@ -192,7 +191,7 @@ def _check_weight(w: CudaGgmlWeight) -> None:
 
 def _type_consts(spec: PackSpec) -> dict:
     return dict(SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
-                OFF=spec.off, LUT=spec.lut)
+                OFF=spec.off, LUT=spec.lut, DD=spec.dd, SCM=spec.scm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,8 +283,11 @@ def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int, wgmma: bool = 
     else 64x128 unsplit (2-bit types: 64 wide, Triton 3.6's dot-operand pass crashes on
     their 128-wide tile); more rows 128x64. Q4_K at up to 64 rows: 64-element K steps
     where the 64x128 tiles fit two an SM (gate_up: 97 us against 105), and for a long K
-    (down, K = 14336) 256-element steps split 2 ways (64 against 70), on an H200 64x128
-    tiles split 8 ways (53.5 against 63.7). A split keeps at least two K steps."""
+    (down, K = 14336) 256-element steps split 2 ways (64 against 70). With wgmma, since
+    the scales load asynchronously (``PackSpec.dd`` / ``scm``; H200 sweep,
+    docs/benchmarks/ggml-dd-h200.json): gate_up 128-element steps (69.2 us against 85.4
+    for 64), down 64x128 tiles of 64-element steps split 8 ways, transposed (42.0 against
+    47.5 unswapped with 128-element steps). A split keeps at least two K steps."""
     swap = False
     if wgmma and (m <= 32 or m > 64):
         heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)  # Q8_0, Q5_*, Q6_K
@@ -305,10 +307,12 @@ def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int, wgmma: bool = 
         bn = 128 if triton.cdiv(n, 128) >= num_sms and spec.lb != 2 else 64
         split = 4 if triton.cdiv(n, bn) < num_sms else 1
         if _is_q4k(spec) and bn == 128 and triton.cdiv(n, bn) <= 2 * num_sms:
-            bk = 64  # Q4_K, N = 28672: two tiles an SM, in one wave
+            bk = 128 if wgmma else 64  # Q4_K, N = 28672: two tiles an SM, in one wave
         elif _is_q4k(spec) and split > 1 and k >= 8192:  # Q4_K, long K (down)
-            bn, split = (128, 8) if wgmma else (64, 2)
-            bk = 128 if wgmma else 256
+            if wgmma:
+                bn, split, bk, swap = 128, 8, 64, True
+            else:
+                bn, split, bk = 64, 2, 256
     else:
         bm, bn, bk, warps = 128, 64, 128, 4
         split = 4 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < num_sms else 1

@@ -90,7 +90,8 @@ def ggml_gemv_kernel(
     x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
     M, N, K, stride_xm, stride_ym, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
-    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr,
+    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
+    SCM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, WARPS: tl.constexpr,
 ):
@@ -105,7 +106,7 @@ def ggml_gemv_kernel(
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row; not stored
     lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, 0,
                                       K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE, NSUB,
-                                      EVEN_K, True, VEC)
+                                      EVEN_K, True, DD, SCM, VEC)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
         gdc_launch_dependents()
@@ -117,7 +118,7 @@ def ggml_gemv_kernel(
         for k0 in range(BK, K, BK):
             n_lo, n_hi, n_d, n_dm, n_sc, n_mn = load_tile(
                 lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub,
-                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, VEC)
+                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, SCM, VEC)
             acc += _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0 - BK,
                               K, magic, SB, LB, HB, MODE, OFF, LUT, BM, NSUB, EVEN_K)
             lo, hi, d, dm, sc, mn = n_lo, n_hi, n_d, n_dm, n_sc, n_mn
@@ -130,7 +131,7 @@ def ggml_gemv_kernel(
         for k0 in range(BK, K, BK):
             lo, hi, d, dm, sc, mn = load_tile(
                 lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub,
-                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, VEC)
+                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, SCM, VEC)
             acc += _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0, K, magic,
                               SB, LB, HB, MODE, OFF, LUT, BM, NSUB, EVEN_K)
     y = tl.sum(acc, axis=len(acc.shape) - 1)  # [BN] or [BM, BN]
@@ -150,7 +151,8 @@ def ggml_mm_kernel(
     x_ptr, y_ptr, b_ptr, ws_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
     M, N, K, steps_per, stride_xm, stride_ym, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
-    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr,
+    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
+    SCM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr = False,
@@ -188,7 +190,7 @@ def ggml_mm_kernel(
     for k0 in range(k_lo, k_hi, BK):
         lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows,
                                           k0, K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE,
-                                          NSUB, EVEN_K, EVICT_FIRST)
+                                          NSUB, EVEN_K, EVICT_FIRST, DD, SCM)
         if UPCAST:  # the interpreter's bf16 dot is wrong and its bf16 rounding truncates
             w = tile_weights(lo, hi, d, dm, sc, mn, SB, LB, HB, MODE, OFF, LUT,
                              NSUB, tl.float32, magic)  # [BN, BK]
@@ -240,7 +242,8 @@ def ggml_dequant_kernel(
     out_ptr, ids_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
     R, N, K, stride_out, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
-    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr,
+    MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
+    SCM: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_IDS: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """``out[r, k0 : k0 + BK]`` for ``BN`` output rows: weight row ``ids[r]`` (clamped to
@@ -256,7 +259,7 @@ def ggml_dequant_kernel(
     k0 = tl.program_id(1) * BK
     lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0,
                                       K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE, NSUB,
-                                      EVEN_K, True)
+                                      EVEN_K, True, DD, SCM)
     w = tile_weights(lo, hi, d, dm, sc, mn, SB, LB, HB, MODE, OFF, LUT, NSUB,
                      out_ptr.dtype.element_ty, magic)  # [BN, BK]
     offs_k = k0 + tl.arange(0, BK)
@@ -284,7 +287,14 @@ def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_
                      eviction_policy="evict_first")
     r2 = rows[:, None]
     d_offs = r2 * s_d + (sub // (SUPER // 32))[None, :]
-    if EVEN_K:
+    if MODE == 3:  # the packed int32 (d, dm) of ``PackSpec.dd``
+        if EVEN_K:
+            dd = tl.load(d_ptr + d_offs)
+        else:
+            dd = tl.load(d_ptr + d_offs, mask=kmask, other=0)
+        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dm = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif EVEN_K:
         d = tl.load(d_ptr + d_offs).to(tl.float32)
     else:
         d = tl.load(d_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
@@ -297,18 +307,15 @@ def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_
             m = tl.load(dm_ptr + d_offs).to(tl.float32)
         else:
             m = tl.load(dm_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
-    else:  # MODE 3 (Q4_K): d * sc, -dm * mn
+    else:  # MODE 3 (Q4_K: ``PackSpec.dd`` and ``scm``): d * sc, -dm * mn
         sub_offs = r2 * s_sub + sub[None, :]
         if EVEN_K:
-            dm = tl.load(dm_ptr + d_offs).to(tl.float32)
-            sc = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first")
-            mn = tl.load(mn_ptr + sub_offs, eviction_policy="evict_first")
+            scm = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first").to(tl.int32)
         else:
-            dm = tl.load(dm_ptr + d_offs, mask=kmask, other=0.0).to(tl.float32)
-            sc = tl.load(sc_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
-            mn = tl.load(mn_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
-        s = d * sc.to(tl.float32)
-        m = -(dm * mn.to(tl.float32))
+            scm = tl.load(sc_ptr + sub_offs, mask=kmask, other=0,
+                          eviction_policy="evict_first").to(tl.int32)
+        s = d * (scm & 255).to(tl.float32)
+        m = -(dm * ((scm >> 8) & 255).to(tl.float32))
     return lo, s, m
 
 

@@ -19,15 +19,23 @@ surgery. So each type is described by a ``PackSpec`` and stored as:
   elements of each scale sub-block, those of word ``w``, field ``f`` at bits
   ``HB * (EPW * w + f)`` (Q3_K, Q5_*, Q6_K).
 - ``d``   fp16 ``[N, K / SUPER]``: the block scale (``SUPER`` = the GGUF block: 32 or 256).
-- ``dm``  fp16 ``[N, K / SUPER]``: the block min / ``dmin`` (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K).
+- ``dm``  fp16 ``[N, K / SUPER]``: the block min / ``dmin`` (Q4_1, Q5_1).
 - ``sc``  int8/uint8 ``[N, K / SB]``: the sub-block scale, unpacked from its 6-bit (Q3_K,
-  Q4_K, Q5_K, IQ4_XS) or nibble (Q2_K) packing; ``mn`` uint8 the sub-block min (Q4_K, Q5_K).
+  Q4_K, Q5_K, IQ4_XS) or nibble (Q2_K) packing.
+- K-quants but Q3_K (``PackSpec.dd``): ``d`` int32, the fp16 bits of ``d`` in the low half
+  and of ``dmin`` in the high half (0: no min), no ``dm``. Q4_K, Q5_K (``PackSpec.scm``):
+  ``sc`` int16, the scale in the low byte and the sub-block min in the high one.
+  Why: the tensor-core GEMM reads these every K step, and a load of under 4 bytes a row
+  cannot be an asynchronous copy (Triton issues it as a plain load the step waits for):
+  one H200, a Q4_K 8B layer at 64 rows took 196 us with the four fields loaded apart
+  and 119 us with no scale loads at all (``docs/benchmarks/ggml-scale-loads-h200.json``).
 
 Quants are made unsigned (Q8_0 stores ``q + 128``, Q6_K ``q + 32``, Q3_K ``q + 4``) and
 the offset goes into the sub-block's additive term, so every type dequantizes as
 ``value = s * q + m`` per sub-block (IQ4_*: ``s * kvalues[q]``); see ``ggml_tiles.py``.
-The unpacked sub-block scales cost at most 4 bytes per 256 elements: Q3_K grows by 3.6%,
-Q4_K by 2.8%, Q5_K by 2.3%, IQ4_XS by 1.5%, the rest not at all (the 5% budget holds).
+The unpacked sub-block scales cost at most 4 bytes per 256 elements and the packed ``d`` of
+the d-only K-quants 2 more: Q3_K grows by 3.6%, Q4_K by 2.8%, IQ4_XS by 2.9%, Q5_K by 2.3%,
+Q6_K by 1.0%, the rest not at all (the 5% budget holds).
 """
 
 from __future__ import annotations
@@ -64,6 +72,19 @@ class PackSpec:
     """The quant offset of MODE_D / MODE_DSC (``m = off * s``)."""
     lut: bool = False
     """Values are ``IQ4_KVALUES[q]`` (IQ4_NL, IQ4_XS)."""
+
+    @property
+    def dd(self) -> bool:
+        """``d`` is int32 ``[N, K / SUPER]``: the fp16 bits of ``d`` low, of ``dm`` (0 where
+        the type has none) high, one 4-byte load a row and K step. The K-quants but Q3_K
+        (whose budget the extra 2 bytes a 256-block would break)."""
+        return self.superblock > 32 and not (self.mode == MODE_DSC and self.lb == 2)
+
+    @property
+    def scm(self) -> bool:
+        """``sc`` is int16 ``[N, K / SB]``: the sub-block scale low byte, min high (Q4_K,
+        Q5_K), one 2-byte field a sub-block instead of two 1-byte ones."""
+        return self.mode == MODE_DSCMN
 
 
 SPECS: Dict[GgmlType, PackSpec] = {
@@ -188,6 +209,13 @@ def _repack_rows(raw: torch.Tensor, t: GgmlType, spec: PackSpec) -> Dict[str, to
     blocks = raw.reshape(n, -1, nbytes)  # [n, nb, S]
     q, f = (_legacy if elems == 32 else _kquant)(blocks, t)
     q = _field_major(q.reshape(n, -1), spec)  # [n, K] unsigned quants, word order
+    if spec.dd:
+        bits = f["d"].view(torch.int16).to(torch.int32) & 0xFFFF
+        if "dm" in f:
+            bits |= f.pop("dm").contiguous().view(torch.int16).to(torch.int32) << 16
+        f["d"] = bits
+    if spec.scm:
+        f["sc"] = f["sc"].to(torch.int16) | (f.pop("mn").to(torch.int16) << 8)
     out = {k: v.reshape(n, -1).contiguous() for k, v in f.items()}
     out["lo"] = _pack_bits(q & ((1 << spec.lb) - 1), spec.lb, 32 // spec.lb, torch.int32)
     if spec.hb:
@@ -227,6 +255,14 @@ def unpack_ref(fields: Dict[str, torch.Tensor], t: GgmlType,
     wps = spec.sb // per
     q = q.reshape(n, -1, wps, per).transpose(-1, -2).reshape(n, k)  # word order -> elements
     per_sub = lambda v, size: v.float().repeat_interleave(size, dim=1)  # noqa: E731
+    fields = dict(fields)
+    if spec.dd:  # int32: fp16 d low, dm high
+        bits = fields["d"]
+        fields["d"] = (bits & 0xFFFF).to(torch.int16).view(torch.float16)
+        fields["dm"] = (bits >> 16).to(torch.int16).view(torch.float16)
+    if spec.scm:  # int16: sc low byte, mn high
+        scm = fields["sc"].to(torch.int32)
+        fields["sc"], fields["mn"] = scm & 255, (scm >> 8) & 255
     d = per_sub(fields["d"], spec.superblock // spec.sb)  # [N, K / SB]
     if spec.mode == MODE_D:
         s, m = d, spec.off * d

@@ -51,7 +51,8 @@ def _ld(ptrs, mask, EVEN: tl.constexpr, EVICT_FIRST: tl.constexpr):
 def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_d,
               SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
               MODE: tl.constexpr, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-              EVICT_FIRST: tl.constexpr, VEC: tl.constexpr = 0):
+              EVICT_FIRST: tl.constexpr, DD: tl.constexpr, SCM: tl.constexpr,
+              VEC: tl.constexpr = 0):
     """The raw fields of rows ``rows [BN]`` (in range), elements ``k0 .. k0 + NSUB*SB``:
     ``lo [BN, NSUB * WPS]`` int32 words (2-D: a row's words are one contiguous run, so
     every Triton version orders its layout the same way), ``hi [BN, NSUB]``, ``d, dm, sc,
@@ -67,21 +68,48 @@ def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, 
         lo_offs = tl.max_contiguous(lo_offs, [1, VEC])
     lo = _ld(lo_ptr + lo_offs, (j < K // SB * WPS)[None, :], EVEN_K, EVICT_FIRST)
     sub_offs = r64[:, None] * s_sub + sub[None, :]  # [BN, NSUB]
-    d_offs = r64[:, None] * s_d + (sub // (SUPER // SB))[None, :]  # [BN, NSUB]
     hi = lo
     if HB > 0:
         hi = _ld(hi_ptr + sub_offs, kmask, EVEN_K, EVICT_FIRST)
-    d = _ld(d_ptr + d_offs, kmask, EVEN_K, False)
     dm = lo
-    if MODE == 1 or MODE == 3 or MODE == 4:
-        dm = _ld(dm_ptr + d_offs, kmask, EVEN_K, False)
+    if DD:  # one int32 (d, dm) a row and superblock: a 4-byte load a row, asynchronous
+        d, dm = _load_dd(d_ptr, r64, k0, K, s_d, SB, SUPER, NSUB, EVEN_K)
+    else:
+        d_offs = r64[:, None] * s_d + (sub // (SUPER // SB))[None, :]  # [BN, NSUB]
+        d = _ld(d_ptr + d_offs, kmask, EVEN_K, False)
+        if MODE == 1 or MODE == 3 or MODE == 4:
+            dm = _ld(dm_ptr + d_offs, kmask, EVEN_K, False)
     sc = lo
     if MODE >= 2:
         sc = _ld(sc_ptr + sub_offs, kmask, EVEN_K, EVICT_FIRST)
     mn = lo
-    if MODE == 3:
+    if SCM:  # int16: the scale low byte, the min high
+        mn = (sc >> 8) & 255
+        sc = sc & 255
+    elif MODE == 3:
         mn = _ld(mn_ptr + sub_offs, kmask, EVEN_K, EVICT_FIRST)
     return lo, hi, d, dm, sc, mn
+
+
+@triton.jit
+def _load_dd(d_ptr, r64, k0, K, s_d, SB: tl.constexpr, SUPER: tl.constexpr,
+             NSUB: tl.constexpr, EVEN_K: tl.constexpr):
+    """``d, dm [BN, NSUB]`` fp16 of the steps' sub-blocks from the packed int32 ``d``
+    (``PackSpec.dd``): one word a row when the step lies in one superblock (``NSUB * SB <=
+    SUPER``; steps are aligned to their size), else ``NSUB * SB / SUPER`` words."""
+    bn: tl.constexpr = r64.shape[0]
+    if NSUB * SB <= SUPER:
+        w = tl.load(d_ptr + r64 * s_d + k0 // SUPER)  # [BN]: k0 < K, so in the row
+        w = tl.broadcast_to(w[:, None], (bn, NSUB))
+    else:
+        NSUP: tl.constexpr = NSUB * SB // SUPER
+        sup = k0 // SUPER + tl.arange(0, NSUP)
+        w = _ld(d_ptr + r64[:, None] * s_d + sup[None, :], (sup < K // SUPER)[None, :],
+                EVEN_K, False)  # [BN, NSUP]
+        w = tl.reshape(tl.broadcast_to(w[:, :, None], (bn, NSUP, SUPER // SB)), (bn, NSUB))
+    d = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    dm = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return d, dm
 
 
 @triton.jit
