@@ -63,8 +63,8 @@ def _model_options(f: Callable) -> Callable:
         click.option("--cpu-dense-gb", type=float, default=None,
                      help="CPU: GiB of bf16 copies kept beside two-plane quantized "
                           "weights (Q5_*, Q8_0, IQ4, Q2_K/Q3_K) for decode batches of 3+ "
-                          "rows. Default: a quarter of the free memory where the CPU has "
-                          "AMX, else 0; 0 turns them off."),
+                          "rows (8+ without AMX). Default: a quarter of the free memory "
+                          "where the CPU has AMX or AVX-512 BF16, else 0; 0 turns them off."),
         click.option("--fp8-kvcache", is_flag=True,
                      help="Keep attention K/V in FP8 e4m3 with per-layer scales: half the "
                           "KV memory of bf16."),

@@ -235,7 +235,7 @@ class QuantConfig:
     cpu_dense_gib: Optional[float] = None
     """``--cpu-dense-gb``: GiB of bf16 copies of quantized weights a CPU rank may keep for
     decode batches (``quantization/gguf.py``: ``BatchCopyBudget``); None: auto (a quarter
-    of the free memory on CPUs with AMX, else none), 0: never."""
+    of the free memory on CPUs with AMX or AVX-512 BF16, else none), 0: never."""
 
     def __post_init__(self) -> None:
         if self.scheme not in QUANT_SCHEMES:

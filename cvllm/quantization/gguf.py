@@ -20,7 +20,7 @@ Which type each layer gets:
 
 Batch copies (``BatchCopyBudget``, ``--cpu-dense-gb``): a backend may keep a float copy
 beside a weight's blocks that multiplies batches faster (the CPU's bf16 copy for decode
-batches of a few rows and up, where the CPU has AMX). The copies are granted in loading
+batches of a few rows and up, where the CPU has AMX or AVX-512 BF16). The copies are granted in loading
 order until the budget runs out; the rest of the weights multiply every batch from their
 blocks.
 """
@@ -100,7 +100,7 @@ class BatchCopyBudget:
 
 def batch_copy_budget(setting_gib: Optional[float]) -> int:
     """``--cpu-dense-gb`` in bytes; None (auto): a quarter of the memory available now where
-    the copies pay (``ggml_cpu.batch_copy_pays``: AMX), else none."""
+    the copies pay (``ggml_cpu.batch_copy_pays``: AMX or AVX-512 BF16), else none."""
     if setting_gib is not None:
         return int(setting_gib * 2**30)
     from cvllm.kernels.quant.ggml_cpu import batch_copy_pays

@@ -107,13 +107,16 @@ def test_large_m_dequantize_path_and_bias():
     _close(y, x @ ref.t() + bias, 0.015)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_large_m_multiplies_in_float32_without_amx(monkeypatch, amx):
+@pytest.mark.parametrize("isa", [None, "avx512_bf16", "amx"])
+def test_large_m_multiplies_in_float32_without_amx(monkeypatch, isa):
     """Without AMX the dequantized weight multiplies x in float32 (a bf16 matmul is 3-4x
-    slower there); with it, in bf16: exactly ``F.linear`` on that dtype's dequantized
-    weight, whatever x's dtype."""
-    monkeypatch.setattr(ggml_cpu, "batch_copy_pays", lambda: amx)
-    dt = torch.bfloat16 if amx else torch.float32
+    slower there, and with AVX-512 BF16 alone a prefill was no faster in bf16); with AMX,
+    in bf16: exactly ``F.linear`` on that dtype's dequantized weight, whatever x's dtype.
+    Batch copies pay with either (``batch_copy_pays``)."""
+    monkeypatch.setattr(ggml_cpu, "bf16_matmul_isa", lambda: isa)
+    assert ggml_cpu.batch_copy_pays() == (isa is not None)
+    assert ggml_cpu.batch_copy_from_m() == {"avx512_bf16": 8}.get(isa, 3)
+    dt = torch.bfloat16 if isa == "amx" else torch.float32
     assert ggml_cpu.dequant_dtype() == dt
     t = GgmlType.Q4_K
     w = ggml_cpu.prepare(_random_raw(t, N, K, seed=5), t, torch.float32)
@@ -148,8 +151,10 @@ def test_one_plane_types_are_the_ones_that_pack_into_one_plane():
 def test_batch_copy_only_for_types_it_pays_for():
     """``batch_copy``: a two-plane type keeps a bf16 copy and multiplies batches of
     ``BATCH_COPY_FROM_M`` rows and more with it (the same values as the planes, within
-    bf16); a one-plane type and Q6_K (already dense) keep none."""
-    m0 = ggml_cpu.BATCH_COPY_FROM_M
+    bf16; ``batch_copy_from_m``: 3 rows on AMX, 8 with AVX-512 BF16); a one-plane type and
+    Q6_K (already dense) keep none."""
+    m0 = ggml_cpu.batch_copy_from_m()
+    assert m0 == ggml_cpu.BATCH_COPY_FROM_M.get(ggml_cpu.bf16_matmul_isa(), 3)
     for t, copies in ((GgmlType.Q8_0, True), (GgmlType.Q5_K, True), (GgmlType.Q4_K, False),
                       (GgmlType.Q6_K, False)):
         raw = _random_raw(t, N, 256, seed=5)

@@ -25,7 +25,7 @@ thread's CPU time, weights streamed from L3 as in a decode step), 3072 x 576: on
 float32; at 16 rows 644 / 1310 us against 448 us for bf16, since the kernel decodes the
 weight again for every 4 rows. Hence ``prepare``'s ``batch_copy`` (a bf16 copy beside the
 planes of a two-plane type, for decode batches from ``BATCH_COPY_FROM_M`` rows, on CPUs
-whose bf16 matmul is fast: ``batch_copy_pays``) and ``DEQUANT_MIN_M`` (prefill without a copy: dequantize,
+whose bf16 matmul is fast, AMX or AVX-512 BF16: ``batch_copy_pays``) and ``DEQUANT_MIN_M`` (prefill without a copy: dequantize,
 then oneDNN).
 
 Precision: the kernel takes bf16 activations, bf16 (scale, zero) pairs and accumulates in
@@ -78,14 +78,19 @@ tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 plan
 ONE_PLANE_TYPES = frozenset({GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K})
 """Types whose codes span 16 values: one int4 plane (the others take two, Q2_K three)."""
 
-BATCH_COPY_FROM_M = 3
-"""Rows of ``x`` from which a weight of two or more planes multiplies its bf16 copy.
-Measured at 2 threads on the 2-core AMX VM (torch 2.13), weights hot in cache: two planes
-of 3072 x 576 take 108 / 156 us at 2 / 4 rows against 113 / 116 us for bf16. In a whole
-decode step, where weights stream from memory (about 11 GB/s here), the bf16 copy of a
-one-plane type reads 3.2x the bytes of its plane and gains nothing at 16 rows (default
-model: 324 against 328 tok/s), so those keep none; the Q8_0 LM head of the default model
-takes 3.9 ms a step with its copy against 10.9 ms as two planes."""
+BATCH_COPY_FROM_M = {"amx": 3, "avx512_bf16": 8}
+"""Rows of ``x`` from which a weight of two or more planes multiplies its bf16 copy, by
+the CPU's bf16 matmul (``bf16_matmul_isa``). AMX: measured at 2 threads on the 2-core AMX
+VM (torch 2.13), weights hot in cache: two planes of 3072 x 576 take 108 / 156 us at
+2 / 4 rows against 113 / 116 us for bf16. In a whole decode step, where weights stream
+from memory (about 11 GB/s here), the bf16 copy of a one-plane type reads 3.2x the bytes
+of its plane and gains nothing at 16 rows (default model: 324 against 328 tok/s), so
+those keep none; the Q8_0 LM head of the default model takes 3.9 ms a step with its copy
+against 10.9 ms as two planes. AVX-512 BF16 without AMX (2-vCPU AMD EPYC, 2026-11-29):
+the LM head (49152 x 576, two planes) 3.0 / 6.0 / 11.4 ms at 4 / 8 / 16 rows against
+3.7 / 4.3 / 5.6 ms from its bf16 copy; the default model at 16 streams, three rounds
+alternating: 311.5 / 262.0 / 286.7 tok/s with the copy against 278.7 / 244.5 / 248.1
+without, and copies of the one-plane layers too gained nothing (280.1 / 238.0 / 238.1)."""
 
 _PREP_ROWS = 8192
 """Rows converted at once in ``prepare``: bounds the int32 code buffer (the LM head's
@@ -265,24 +270,46 @@ def supports(t: GgmlType, dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def bf16_matmul_isa() -> Optional[str]:
+    """How this CPU multiplies bf16 matrices (oneDNN): ``"amx"`` (AMX tiles), ``"avx512_bf16"``
+    (AVX-512 BF16 dot products, e.g. AMD Zen 4), or None: converted to float32 FMAs, 3-4x
+    slower than a float32 matmul."""
+    for isa, probe in (("amx", "_is_amx_tile_supported"),
+                       ("avx512_bf16", "_is_avx512_bf16_supported")):
+        try:
+            if getattr(torch.cpu, probe)():
+                return isa
+        except AttributeError:  # an older torch without the probe
+            continue
+    return None
+
+
 def batch_copy_pays() -> bool:
-    """Whether this CPU multiplies bf16 matrices with AMX tiles (oneDNN), where a bf16 copy
-    of a weight multiplies a decode batch 2.6x faster than the int4 kernel (16 rows,
-    3072 x 576: 119 against 311 us). Without AMX the bf16 matmul runs on AVX-512 FMAs at
-    about the int4 kernel's speed, so a copy would cost memory for nothing."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older torch without the probe
-        return False
+    """Whether this CPU multiplies bf16 fast (``bf16_matmul_isa``), where a bf16 copy of a
+    two-plane weight multiplies a decode batch faster than the int4 kernel (AMX, 16 rows,
+    3072 x 576: 119 against 311 us; ``BATCH_COPY_FROM_M``). Elsewhere the bf16 matmul runs
+    on float32 FMAs at about the int4 kernel's speed, so a copy would cost memory for
+    nothing."""
+    return bf16_matmul_isa() is not None
+
+
+def batch_copy_from_m() -> int:
+    """Rows of ``x`` from which a weight with a bf16 batch copy multiplies the copy, on this
+    CPU (``BATCH_COPY_FROM_M``)."""
+    return BATCH_COPY_FROM_M.get(bf16_matmul_isa(), BATCH_COPY_FROM_M["amx"])
 
 
 def dequant_dtype() -> torch.dtype:
     """What a prefill-sized ``x`` (``DEQUANT_MIN_M`` rows) and the weight dequantized for it
-    are multiplied in: bf16 where AMX tiles multiply it (``batch_copy_pays``), else float32.
-    Without AMX a bf16 matmul runs 3-4x slower than float32 (2-core Xeon without AMX,
-    torch 2.13, 128 x 576 by 3072 x 576: bf16 7.6 ms, float32 2.1 ms), and the weight
-    dequantized to bf16 then cost the default model 0.87 s of matmuls a 128-token step."""
-    return torch.bfloat16 if batch_copy_pays() else torch.float32
+    are multiplied in: bf16 where AMX tiles multiply it (``bf16_matmul_isa``), else
+    float32. Without AMX or AVX-512 BF16 a bf16 matmul runs 3-4x slower than float32
+    (2-core Xeon without either, torch 2.13, 128 x 576 by 3072 x 576: bf16 7.6 ms, float32
+    2.1 ms), and the weight dequantized to bf16 then cost the default model 0.87 s of
+    matmuls a 128-token step. With AVX-512 BF16 alone (2-vCPU AMD EPYC, 2026-11-29) that
+    product took 1.31 ms in bf16 against 3.04 ms in float32, but a 1,890-token prefill of
+    the default model took the same either way (4.6 / 5.2 / 4.8 s against 5.3 / 5.2 /
+    4.5 s, alternating), so float32 stays there."""
+    return torch.bfloat16 if bf16_matmul_isa() == "amx" else torch.float32
 
 
 def batch_copy_bytes(t: GgmlType, shape: Tuple[int, int]) -> int:
@@ -325,7 +352,7 @@ def prepare(raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
     if dense_from_m is not None or (batch_copy and batch_copy_bytes(t, (n, k))):
         w.batch_dense = dequantize(w, torch.bfloat16)  # [N, K]
         w.dense_from_m = max(1, int(dense_from_m if dense_from_m is not None
-                                    else BATCH_COPY_FROM_M))
+                                    else batch_copy_from_m()))
     return w
 
 
