@@ -65,7 +65,7 @@ def test_gemv_i8_compiles_for_sm90(mode, off, wps):
     q4k = mode == 3  # PackSpec.dd / scm: packed (d, dm) words, (sc, mn) halfwords
     pointers = {"x_ptr": "*i32", "xs_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
                 "lo_ptr": "*i32", "d_ptr": "*i32" if q4k else "*fp16", "dm_ptr": "*fp16",
-                "sc_ptr": "*i16" if q4k else "*u8", "mn_ptr": "*u8"}
+                "sc_ptr": "*i16" if q4k else "*u8"}
     # (x pre-rounded, prefetch, K a whole number of steps, gated activation): each branch
     # of the kernel at least once (a pre-rounded x carries its activation already)
     for xq, prefetch, even_k, act in ((False, False, True, 0), (True, True, False, 0),
@@ -97,11 +97,10 @@ def _compile_mm(t, bm, bn, bk, warps, stages, split, swap):
     pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "ws_ptr": "*fp32",
                 "lo_ptr": "*i32", "hi_ptr": "*i16" if t == GgmlType.Q3_K else "*i32",
                 "d_ptr": "*i32" if spec.dd else "*fp16", "dm_ptr": "*fp16",
-                "sc_ptr": "*i16" if spec.scm else "*i8" if signed_sc else "*u8",
-                "mn_ptr": "*u8"}
+                "sc_ptr": "*i16" if spec.scm else "*i8" if signed_sc else "*u8"}
     return _compile(gk.ggml_mm_kernel, pointers, dict(
         SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
-        OFF=spec.off, LUT=spec.lut, DD=spec.dd, SCM=spec.scm, BM=bm, BN=bn, NSUB=bk // spec.sb, GROUP_M=8,
+        OFF=spec.off, LUT=spec.lut, DD=spec.dd, BM=bm, BN=bn, NSUB=bk // spec.sb, GROUP_M=8,
         HAS_BIAS=False, EVEN_K=True, EVICT_FIRST=True, SPLIT=split, UPCAST=False, SWAP=swap),
         num_warps=warps, num_stages=stages)
 

@@ -358,7 +358,7 @@ def test_wrappers_reject_bad_inputs():
             gc.linear(x, w, path="mm", config=cfg)
     with pytest.raises(ValueError, match="field lo"):
         gc.linear(x, gc.CudaGgmlWeight(w.ggml_type, w.shape, w.lo[:, :8].contiguous(), w.d,
-                                       dm=w.dm, sc=w.sc, mn=w.mn))
+                                       dm=w.dm, sc=w.sc))
     with pytest.raises(ValueError, match="dtype"):
         gc.dequantize(w, torch.int32)
     with pytest.raises(ValueError, match="ids"):

@@ -123,7 +123,6 @@ class CudaGgmlWeight:
     hi: Optional[torch.Tensor] = None
     dm: Optional[torch.Tensor] = None
     sc: Optional[torch.Tensor] = None
-    mn: Optional[torch.Tensor] = None
     exact: bool = False
     """Products keep the activations as they are (no ``gemv_i8``): an LM head, whose
     logits pick the greedy token."""
@@ -134,7 +133,7 @@ class CudaGgmlWeight:
         _check_weight(self)
         lo = self.lo
         ptrs = [lo] + [v if v is not None else lo for v in
-                       (self.hi, self.d, self.dm, self.sc, self.mn)]
+                       (self.hi, self.d, self.dm, self.sc)]
         self.args = (ptrs, (lo.stride(0), self.shape[1] // self.spec.sb, self.d.stride(0)))
 
     @property
@@ -142,7 +141,7 @@ class CudaGgmlWeight:
         return SPECS[self.ggml_type]
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        names = ("lo", "d", "hi", "dm", "sc", "mn")
+        names = ("lo", "d", "hi", "dm", "sc")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
     def nbytes(self) -> int:
@@ -191,7 +190,7 @@ def _check_weight(w: CudaGgmlWeight) -> None:
 
 def _type_consts(spec: PackSpec) -> dict:
     return dict(SB=spec.sb, LB=spec.lb, HB=spec.hb, SUPER=spec.superblock, MODE=spec.mode,
-                OFF=spec.off, LUT=spec.lut, DD=spec.dd, SCM=spec.scm)
+                OFF=spec.off, LUT=spec.lut, DD=spec.dd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,14 +427,14 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
     prequant = _prequant(act) if prequant is None else prequant
     wps = _wps(w.spec)
     bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2), prequant, wps)
-    (lo, _hi, d, dm, sc, mn), (s_lo, s_sub, s_d) = w.args
+    (lo, _hi, d, dm, sc), (s_lo, s_sub, s_d) = w.args
     spec = w.spec
     xq, xs = x2, x2
     if prequant:
         xq, xs = quantize_q8(x2, k, act, wps)
         act = 0
     gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn),)](
-        xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, mn, n, k, s_lo, s_sub,
+        xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, n, k, s_lo, s_sub,
         s_d, SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
         PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,

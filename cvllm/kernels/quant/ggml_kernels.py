@@ -27,7 +27,7 @@ import triton.language as tl
 from cvllm.kernels.gemv import load_act_x
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 from cvllm.kernels.quant.ggml_tiles import (field_shift, field_values, load_tile, tile_prep,
-                                            tile_scales, tile_weights)
+                                            tile_scales, tile_weights, unpack_dd, unpack_scm)
 
 
 @triton.jit
@@ -87,11 +87,10 @@ def _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0, K, magic,
 
 @triton.jit
 def ggml_gemv_kernel(
-    x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr,
     M, N, K, stride_xm, stride_ym, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
     MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
-    SCM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, WARPS: tl.constexpr,
 ):
@@ -104,9 +103,9 @@ def ggml_gemv_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row; not stored
-    lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, 0,
+    lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, 0,
                                       K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE, NSUB,
-                                      EVEN_K, True, DD, SCM, VEC)
+                                      EVEN_K, True, DD, VEC)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
         gdc_launch_dependents()
@@ -117,8 +116,8 @@ def ggml_gemv_kernel(
     if PREFETCH:
         for k0 in range(BK, K, BK):
             n_lo, n_hi, n_d, n_dm, n_sc, n_mn = load_tile(
-                lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub,
-                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, SCM, VEC)
+                lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo, s_sub,
+                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, VEC)
             acc += _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0 - BK,
                               K, magic, SB, LB, HB, MODE, OFF, LUT, BM, NSUB, EVEN_K)
             lo, hi, d, dm, sc, mn = n_lo, n_hi, n_d, n_dm, n_sc, n_mn
@@ -130,8 +129,8 @@ def ggml_gemv_kernel(
                           SB, LB, HB, MODE, OFF, LUT, BM, NSUB, EVEN_K)
         for k0 in range(BK, K, BK):
             lo, hi, d, dm, sc, mn = load_tile(
-                lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub,
-                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, SCM, VEC)
+                lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo, s_sub,
+                s_d, SB, LB, HB, SUPER, MODE, NSUB, EVEN_K, True, DD, VEC)
             acc += _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0, K, magic,
                               SB, LB, HB, MODE, OFF, LUT, BM, NSUB, EVEN_K)
     y = tl.sum(acc, axis=len(acc.shape) - 1)  # [BN] or [BM, BN]
@@ -148,11 +147,10 @@ def ggml_gemv_kernel(
 
 @triton.jit
 def ggml_mm_kernel(
-    x_ptr, y_ptr, b_ptr, ws_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    x_ptr, y_ptr, b_ptr, ws_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr,
     M, N, K, steps_per, stride_xm, stride_ym, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
     MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
-    SCM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVICT_FIRST: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr = False,
@@ -188,9 +186,9 @@ def ggml_mm_kernel(
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows,
+        lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows,
                                           k0, K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE,
-                                          NSUB, EVEN_K, EVICT_FIRST, DD, SCM)
+                                          NSUB, EVEN_K, EVICT_FIRST, DD)
         if UPCAST:  # the interpreter's bf16 dot is wrong and its bf16 rounding truncates
             w = tile_weights(lo, hi, d, dm, sc, mn, SB, LB, HB, MODE, OFF, LUT,
                              NSUB, tl.float32, magic)  # [BN, BK]
@@ -239,11 +237,10 @@ def ggml_splitk_reduce(ws_ptr, y_ptr, b_ptr, M, N, stride_ym, SPLIT: tl.constexp
 
 @triton.jit
 def ggml_dequant_kernel(
-    out_ptr, ids_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    out_ptr, ids_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr,
     R, N, K, stride_out, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
     MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
-    SCM: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_IDS: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """``out[r, k0 : k0 + BK]`` for ``BN`` output rows: weight row ``ids[r]`` (clamped to
@@ -257,9 +254,9 @@ def ggml_dequant_kernel(
     else:
         rows = rr
     k0 = tl.program_id(1) * BK
-    lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0,
+    lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0,
                                       K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE, NSUB,
-                                      EVEN_K, True, DD, SCM)
+                                      EVEN_K, True, DD)
     w = tile_weights(lo, hi, d, dm, sc, mn, SB, LB, HB, MODE, OFF, LUT, NSUB,
                      out_ptr.dtype.element_ty, magic)  # [BN, BK]
     offs_k = k0 + tl.arange(0, BK)
@@ -269,7 +266,7 @@ def ggml_dequant_kernel(
 
 
 @triton.jit
-def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_d,
+def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s_d,
              SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr, NSUB: tl.constexpr,
              EVEN_K: tl.constexpr, WPS: tl.constexpr):
     """One K step of ``ggml_gemv_i8_kernel``: the words ``[BN, NSUB * WPS]`` (2-D: a row's
@@ -292,8 +289,8 @@ def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_
             dd = tl.load(d_ptr + d_offs)
         else:
             dd = tl.load(d_ptr + d_offs, mask=kmask, other=0)
-        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dm = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dm = unpack_dd(dd)
+        d, dm = d.to(tl.float32), dm.to(tl.float32)
     elif EVEN_K:
         d = tl.load(d_ptr + d_offs).to(tl.float32)
     else:
@@ -310,12 +307,12 @@ def _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_
     else:  # MODE 3 (Q4_K: ``PackSpec.dd`` and ``scm``): d * sc, -dm * mn
         sub_offs = r2 * s_sub + sub[None, :]
         if EVEN_K:
-            scm = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first").to(tl.int32)
+            scm = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first")
         else:
-            scm = tl.load(sc_ptr + sub_offs, mask=kmask, other=0,
-                          eviction_policy="evict_first").to(tl.int32)
-        s = d * (scm & 255).to(tl.float32)
-        m = -(dm * ((scm >> 8) & 255).to(tl.float32))
+            scm = tl.load(sc_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
+        sc, mn = unpack_scm(scm)
+        s = d * sc.to(tl.float32)
+        m = -(dm * mn.to(tl.float32))
     return lo, s, m
 
 
@@ -522,7 +519,7 @@ def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.conste
 
 @triton.jit
 def ggml_gemv_i8_kernel(
-    x_ptr, xs_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+    x_ptr, xs_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr,
     N, K, s_lo, s_sub, s_d,
     SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -546,7 +543,7 @@ def ggml_gemv_i8_kernel(
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
     if WIDE:
         rows = rows.to(tl.int64)
-    lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, 0, K, s_lo, s_sub, s_d,
+    lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, 0, K, s_lo, s_sub, s_d,
                         SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
@@ -554,7 +551,7 @@ def ggml_gemv_i8_kernel(
     if PREFETCH:
         acc = tl.zeros((BN, NSUB), dtype=tl.float32)
         for k0 in range(BK, K, BK):
-            n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K,
+            n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K,
                                       s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT,
                             XQ, WPS)
@@ -564,7 +561,7 @@ def ggml_gemv_i8_kernel(
     else:
         acc = _i8_step(lo, s, m, x_ptr, xs_ptr, 0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
         for k0 in range(BK, K, BK):
-            lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo,
+            lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo,
                                 s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
     y = tl.sum(acc, axis=1)  # [BN]

@@ -3,7 +3,7 @@
 Shared by every kernel of ``ggml_cuda.py`` (the batch GEMV, the tensor-core GEMM, the
 dequantize / embedding kernel), so a type's decoding is written once. The layout they
 read is ``ggml_pack.py``'s; its ``PackSpec`` fields arrive as ``tl.constexpr``
-(``SB, LB, HB, SUPER, MODE, OFF, LUT``). No host code here.
+(``SB, LB, HB, SUPER, MODE, OFF, LUT, DD``). No host code here.
 
 A tile is ``BN`` weight rows by ``NSUB`` scale sub-blocks of ``SB`` elements.
 ``load_tile`` fetches the raw fields (the loads of one K step, issued together so they
@@ -48,11 +48,10 @@ def _ld(ptrs, mask, EVEN: tl.constexpr, EVICT_FIRST: tl.constexpr):
 
 
 @triton.jit
-def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, s_sub, s_d,
+def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s_d,
               SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
               MODE: tl.constexpr, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-              EVICT_FIRST: tl.constexpr, DD: tl.constexpr, SCM: tl.constexpr,
-              VEC: tl.constexpr = 0):
+              EVICT_FIRST: tl.constexpr, DD: tl.constexpr, VEC: tl.constexpr = 0):
     """The raw fields of rows ``rows [BN]`` (in range), elements ``k0 .. k0 + NSUB*SB``:
     ``lo [BN, NSUB * WPS]`` int32 words (2-D: a row's words are one contiguous run, so
     every Triton version orders its layout the same way), ``hi [BN, NSUB]``, ``d, dm, sc,
@@ -83,12 +82,24 @@ def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, rows, k0, K, s_lo, 
     if MODE >= 2:
         sc = _ld(sc_ptr + sub_offs, kmask, EVEN_K, EVICT_FIRST)
     mn = lo
-    if SCM:  # int16: the scale low byte, the min high
-        mn = (sc >> 8) & 255
-        sc = sc & 255
-    elif MODE == 3:
-        mn = _ld(mn_ptr + sub_offs, kmask, EVEN_K, EVICT_FIRST)
+    if MODE == 3:  # ``PackSpec.scm``: int16, the scale low byte, the min high
+        sc, mn = unpack_scm(sc)
     return lo, hi, d, dm, sc, mn
+
+
+@triton.jit
+def unpack_dd(w):
+    """``d, dm`` fp16 from the packed int32 of ``PackSpec.dd`` (``d`` low, ``dm`` high)."""
+    d = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    dm = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return d, dm
+
+
+@triton.jit
+def unpack_scm(v):
+    """``sc, mn`` int32 from the int16 of ``PackSpec.scm`` (scale low byte, min high)."""
+    v = v.to(tl.int32)
+    return v & 255, (v >> 8) & 255
 
 
 @triton.jit
@@ -107,9 +118,7 @@ def _load_dd(d_ptr, r64, k0, K, s_d, SB: tl.constexpr, SUPER: tl.constexpr,
         w = _ld(d_ptr + r64[:, None] * s_d + sup[None, :], (sup < K // SUPER)[None, :],
                 EVEN_K, False)  # [BN, NSUP]
         w = tl.reshape(tl.broadcast_to(w[:, :, None], (bn, NSUP, SUPER // SB)), (bn, NSUB))
-    d = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-    dm = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return d, dm
+    return unpack_dd(w)
 
 
 @triton.jit
