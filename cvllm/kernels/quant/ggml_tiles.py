@@ -76,7 +76,7 @@ def load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s
     else:
         d_offs = r64[:, None] * s_d + (sub // (SUPER // SB))[None, :]  # [BN, NSUB]
         d = _ld(d_ptr + d_offs, kmask, EVEN_K, False)
-        if MODE == 1 or MODE == 3 or MODE == 4:
+        if MODE == 1:  # Q4_1, Q5_1 (the other types with a min are ``DD``)
             dm = _ld(dm_ptr + d_offs, kmask, EVEN_K, False)
     sc = lo
     if MODE >= 2:
