@@ -267,7 +267,9 @@ class EngineConfig:
     """Server-wide sampling defaults from the CLI (temperature, top_p, ...)."""
     disable_cuda_graph: bool = False
     """Launch every step eagerly on CUDA (``--disable-cuda-graph``). Pure-decode steps are
-    still padded to the capture sizes, so outputs do not change (``worker/cuda_graph.py``)."""
+    still padded to the capture sizes, so outputs do not change (``worker/cuda_graph.py``).
+    On the CPU: pure-decode steps run through the model's modules instead of its flat
+    decode loop (``models/flat_decode.py``; bit-identical outputs)."""
     cuda_graph_max_tokens: int = 512
     """Steps with prompt tokens of at most this many tokens replay CUDA graphs captured
     piece by piece around the attention (``worker/mixed_graph.py``,

@@ -12,7 +12,8 @@ the add and norm where the custom all-reduce runs.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+import functools
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,11 @@ class RMSNorm(nn.Module):
             residual = x
         out = _rms_norm_cpu(x, self.weight, self.variance_epsilon)  # [..., hidden]
         return out if residual is None else (out, residual)
+
+    def host_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward(x)`` off CUDA (no residual, no reduction) as one callable, for a
+        flat loop over the layers (``models/flat_decode.py``)."""
+        return functools.partial(_rms_norm_cpu, weight=self.weight, eps=self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -33,8 +33,9 @@ with ``factor = max_position_embeddings / original`` when the config gives none)
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -131,6 +132,22 @@ class RotaryEmbedding(nn.Module):
         sin2 = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
         self._rows_memo = (pos.clone(), dtype, cos2, sin2)
         return cos2, sin2
+
+    def host_rotation(self, positions: torch.Tensor, dtype: torch.dtype
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This rotation at ``positions [T]`` as one callable over ``[T, heads *
+        head_size]`` rows of ``dtype`` (q's and k's heads alike, so both at once when
+        adjacent), returning a new tensor: what ``forward`` computes on the CPU, with the
+        position rows looked up once for a flat loop over the layers
+        (``models/flat_decode.py``)."""
+        if self.cos_sin_cache.device != positions.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
+        if self.is_neox_style and self.rotary_dim == self.head_size:
+            cos2, sin2 = self._neox_rows(positions, dtype)  # [T, 1, head_size] each
+            return functools.partial(_rotate_half, cos=cos2, sin=sin2, head_size=self.head_size)
+        cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))  # [T, rotary_dim]
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+        return functools.partial(self._rotate, cos=cos, sin=sin)
 
     def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:
         """This rotation at ``positions``, for an attention backend that applies it with

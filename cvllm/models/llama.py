@@ -16,7 +16,7 @@ and ``_sliding_window`` (one window, or one per layer).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -294,6 +294,11 @@ class LlamaForCausalLM(CausalLMBase):
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(model_config.vocab_size)
+
+    def flat_decoder(self) -> Optional[Callable]:
+        from cvllm.models.flat_decode import FlatDecoder  # it imports this module
+
+        return FlatDecoder.build(self.model)
 
     @staticmethod
     def _sliding_window(model_config: ModelConfig) -> Union[None, int, List[Optional[int]]]:

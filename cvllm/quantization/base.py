@@ -10,8 +10,9 @@ sharding: parameters carry ``output_dim`` / ``input_dim`` attributes telling the
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -61,6 +62,13 @@ class LinearMethodBase(ABC):
         if act_fn is not None:
             x = act_fn(x)  # [.., I]
         return self.apply(layer, x, bias)
+
+    def host_linear(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> apply(layer, x, layer.bias)`` as one callable with the weights bound,
+        for a caller that runs this layer's math outside its module on one rank (the
+        CPU's flat decode loop, ``models/flat_decode.py``); a method overrides it where
+        it can call its kernel more directly. Same results as ``apply``."""
+        return functools.partial(self.apply, layer, bias=layer.bias)
 
     def input_granularity(self) -> int:
         """Input features a split of this weight must keep together (a quantization

@@ -8,8 +8,9 @@ higher fraction of the bandwidth than cuBLAS does at these shapes; everything el
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
             if g.use_gemv(x, layer.weight) and (bias is None or bias.dtype == x.dtype):
                 return g.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def host_linear(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if layer.weight.is_cuda:  # apply's GEMV choice
+            return super().host_linear(layer)
+        return functools.partial(F.linear, weight=layer.weight, bias=layer.bias)
 
     def apply_fused(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                     act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:

@@ -46,6 +46,7 @@ from cvllm.core.sampling_batch import SamplingBatch
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.kernels.transfer import to_device
 from cvllm.layers.sampler import Sampler, SamplingTensors
+from cvllm.models.base import CausalLMBase
 from cvllm.models.registry import get_model_class
 from cvllm.quantization.gguf import build_quant_config
 from cvllm.quantization.summary import format_summary, weight_summary
@@ -99,6 +100,11 @@ class ModelRunner:
                     self.kv_layout.num_state_slots)
         self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
         """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
+        self.flat = (self.model.flat_decoder() if self.device.type == "cpu"
+                     and not config.disable_cuda_graph and isinstance(self.model, CausalLMBase)
+                     else None)
+        """The model's flat decode loop for pure-decode CPU steps (``models/flat_decode.py``);
+        None: every step runs the model's forward."""
         self.mixed: Optional[MixedGraphRunner] = self._init_mixed_graphs()
         """Padded steps with prompt tokens (same conditions, and --cuda-graph-max-tokens)."""
         if self.device.type == "cuda":
@@ -300,6 +306,8 @@ class ModelRunner:
         positions = to_device(step.positions, dev, torch.int64)  # [T]
         meta = self._build_metadata(step)
         self._reset_fresh_state_slots(meta)
+        if self.flat is not None and meta.num_decodes == meta.num_seqs == input_ids.shape[0]:
+            return self.flat(input_ids, positions, meta, self.kv_caches)  # [T, hidden]
         return self.model(input_ids, positions, meta, self.kv_caches)  # [T, hidden]
 
     def _sampling_rows(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor:

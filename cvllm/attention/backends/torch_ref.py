@@ -38,6 +38,10 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, no padding slots
 ) -> None:
     """Store this step's keys and values at their cache slots (FP8: quantized)."""
+    if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:  # plain stores: the usual case
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)  # [N*bs, Hkv, D]
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        return
     for x, cache in ((k, k_cache), (v, v_cache)):
         if x.dtype == cache.dtype:  # a plain store (the usual case: no cast to dispatch)
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
@@ -69,11 +73,16 @@ def forward(
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
-    opts = _Opts(scale, sliding_window, softcap)
     if n == q.shape[0] and meta.num_decodes == meta.num_seqs:
-        plan = _decode_plan(meta, q, k_cache, opts)
+        plan = _decode_plan(meta, q, k_cache, sliding_window)
         if len(plan) == 1:  # the usual decode step: one SDPA call's output is the answer
-            return _decode_group(q, k_cache, v_cache, plan[0], opts)
+            run, L = plan[0][5], plan[0][3]
+            if (run is not None and plan[0][4] is None and softcap is None
+                    and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+                return _decode_run(q, k_cache, v_cache, run * k_cache.shape[1], L, scale)
+            return _decode_group(q, k_cache, v_cache, plan[0],
+                                 _Opts(scale, sliding_window, softcap))
+    opts = _Opts(scale, sliding_window, softcap)
     out = torch.empty_like(q)  # [T, H, D]
     if n < q.shape[0]:
         out[n:].zero_()
@@ -93,8 +102,21 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, opts: _Opts, out: torc
     """Leading one-token sequences: sequence ``b`` owns token ``b``."""
     if meta.num_decodes == 0:
         return
-    for group in _decode_plan(meta, q, k_cache, opts):
+    for group in _decode_plan(meta, q, k_cache, opts.sliding_window):
         out[group[0] : group[1]] = _decode_group(q, k_cache, v_cache, group, opts)
+
+
+def _decode_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t0: int, L: int,
+                scale: float) -> torch.Tensor:
+    """One float32 sequence whose blocks are consecutive, every key visible: SDPA over
+    views of cache rows ``t0 .. t0 + L`` -> ``[1, H, D]``. What ``_decode_group`` computes
+    there, in the fewest ops (a small model's decode step is mostly per-op cost)."""
+    kk, vv = (c.view(-1, *c.shape[2:])[t0:t0 + L].transpose(0, 1).unsqueeze(0)
+              for c in (k_cache, v_cache))  # [1, Hkv, L, D] each
+    # 4-D: SDPA takes its fused CPU kernel (3-D inputs go to the slower math path)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=float(scale),
+                                       enable_gqa=True)  # [1, H, 1, D]
+    return o[:, :, 0]  # [1, H, D]
 
 
 def _decode_group(q, k_cache, v_cache, group: tuple, opts: _Opts) -> torch.Tensor:
@@ -111,7 +133,7 @@ def _decode_group(q, k_cache, v_cache, group: tuple, opts: _Opts) -> torch.Tenso
 
 
 def _decode_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
-                 opts: _Opts) -> list:
+                 window: Optional[int]) -> list:
     """``[(b0, b1, block_ids [Bg*nb], L, visible [Bg, 1, L] or None, run)]`` of the
     decode groups. The same for every layer of the step, so built once and kept in
     ``meta.host_cache`` (a layer's per-step ops, not its FLOPs, dominate small models on
@@ -121,7 +143,7 @@ def _decode_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor
     reads the cache in place instead of gathering it (CPU block tables only: a host read;
     the default model's decode step: about 0.6 ms of 15)."""
     h, kv_row, bs = q.shape[1], k_cache.shape[2] * k_cache.shape[3], k_cache.shape[1]
-    window = opts.sliding_window
+    window = int(window) if window else None
     key = ("torch_ref.decode", h, kv_row, bs, window, MAX_ELEMS)
     plan = meta.host_cache.get(key)
     if plan is not None:

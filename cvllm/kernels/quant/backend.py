@@ -15,9 +15,10 @@ reference, dequantizing per call: the tests' exact oracle). Built per call of
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -63,6 +64,13 @@ class GgmlBackend(ABC):
     def linear(self, x: torch.Tensor, w: GgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [M, K] -> [M, N]`` in ``x``'s dtype."""
+
+    def linear_fn(self, w: GgmlWeight,
+                  bias: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``linear(., w, bias)`` as one callable, for a caller that runs it many times
+        outside the layer (the CPU's flat decode loop, ``models/flat_decode.py``); a
+        backend may bind its common case to fewer ops. Same results as ``linear``."""
+        return functools.partial(self.linear, w=w, bias=bias)
 
     def linear_gated(self, x: torch.Tensor, w: GgmlWeight, act: str,
                      bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:

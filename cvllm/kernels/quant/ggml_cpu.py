@@ -391,6 +391,31 @@ def linear(x: torch.Tensor, w: CpuGgmlWeight, bias: Optional[torch.Tensor] = Non
     return y
 
 
+def linear_fn(w: CpuGgmlWeight, bias: Optional[torch.Tensor] = None
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``linear(., w, bias)`` as one callable. A one-plane weight without bias or
+    padding calls the int4 kernel itself below the row counts where ``linear`` would
+    switch to a dense product: a cast in and a cast out around one kernel call, the ops
+    ``linear`` runs there, without its checks (the callers pass ``[M, K]``)."""
+    n, k = w.shape
+    if (w.dense is not None or bias is not None or w.planes != 1
+            or w.scales_zeros.shape[1] != n):
+        return functools.partial(linear, w=w, bias=bias)
+    small = DEQUANT_MIN_M if w.batch_dense is None else min(DEQUANT_MIN_M, w.dense_from_m)
+    packed, sz = w.packed, w.scales_zeros
+    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= small or x.dim() != 2 or x.shape[1] != k:
+            return linear(x, w)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if not xb.is_contiguous():
+            xb = xb.contiguous()
+        return int4_mm(xb, packed, GROUP, sz).to(x.dtype)  # [M, N]
+
+    return fn
+
+
 def _codes_of_rows(packed: torch.Tensor, cols: int,
                    rows: Optional[torch.Tensor]) -> torch.Tensor:
     """The 4-bit codes of ``rows [T]`` (all Np rows when None) of ``packed`` (``cols``
@@ -475,6 +500,10 @@ class CpuBackend(GgmlBackend):
     def linear(self, x: torch.Tensor, w: GgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return linear(x, w, bias)
+
+    def linear_fn(self, w: GgmlWeight,
+                  bias: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        return linear_fn(w, bias)
 
     def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return embedding(w, ids, dtype)
