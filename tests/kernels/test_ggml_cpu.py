@@ -140,6 +140,26 @@ def test_dense_from_m_keeps_a_bf16_copy_for_batches():
     torch.testing.assert_close(ggml_cpu.linear(x, w), ggml_cpu.linear(x, plain), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n", [N, 128], ids=["padded-n", "whole-tiles"])
+def test_linear_fn_equals_linear(prepared, n):
+    """``linear_fn`` (the flat decode loop's callable) gives ``linear``'s bits for every
+    type, row count (int4 kernel, the batch copy from ``dense_from_m``, the dequantized
+    product from ``DEQUANT_MIN_M``), activation dtype and bias; a one-plane weight whose
+    rows fill whole 64-row tiles takes its direct kernel call (``n=128``)."""
+    t = prepared[0]
+    raw = _random_raw(t, n, K, seed=11)
+    bias = torch.randn(n)
+    for w in (ggml_cpu.prepare(raw, t, torch.float32),
+              ggml_cpu.prepare(raw, t, torch.float32, dense_from_m=8)):
+        for m in (1, 3, 8, ggml_cpu.DEQUANT_MIN_M):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+                for b in (None, bias):
+                    assert torch.equal(ggml_cpu.linear_fn(w, b)(x), ggml_cpu.linear(x, w, b))
+    with pytest.raises(ValueError, match="x must be"):
+        ggml_cpu.linear_fn(w)(torch.randn(1, K + 32))
+
+
 def test_one_plane_types_are_the_ones_that_pack_into_one_plane():
     for t in TYPES:
         if t in ggml_cpu.DENSE_TYPES:

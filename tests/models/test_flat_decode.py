@@ -6,7 +6,7 @@ same functions in the same order, so no tolerance). Covered: one stream (attenti
 views of consecutive blocks), several streams of different lengths (gathered blocks), a
 sliding window shorter than the context (Mistral), q/k/v biases (Qwen2), weights kept
 quantized by ``--isq`` at Q4_0 (the int4 kernel called directly) and Q8_0 (two planes),
-and bf16 activations. Families whose layers differ from Llama's get no flat loop."""
+bf16 activations and an FP8 KV cache. Families whose layers differ from Llama's get no flat loop."""
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ def llama_dir(tmp_path_factory) -> Path:
     return _save(tmp_path_factory.mktemp("flat-llama"), "llama")
 
 
-@pytest.mark.parametrize("kw", [{}, {"isq": "q4_0"}, {"isq": "q8_0"}, {"dtype": "bf16"}],
-                         ids=["f32", "q4_0", "q8_0", "bf16"])
+@pytest.mark.parametrize("kw", [{}, {"isq": "q4_0"}, {"isq": "q8_0"}, {"dtype": "bf16"},
+                                {"fp8_kvcache": True}],
+                         ids=["f32", "q4_0", "q8_0", "bf16", "fp8-kv"])
 def test_flat_decode_equals_module_path_llama(llama_dir: Path, kw) -> None:
     llm = _llm(llama_dir, **kw)
     assert _checked_generation(llm, PROMPTS[:1]) == 9  # one stream: cache views
