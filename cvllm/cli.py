@@ -314,6 +314,7 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     from cvllm.server.agent_setup import build_mcp, choose_parsers
     from cvllm.server.app import ServerSettings, build_app
     from cvllm.server.lifecycle import serve_until_signal
+    from cvllm.utils.exit_deadline import wait_budget
     from cvllm.utils.gc_freeze import freeze_startup_objects
 
     engine, defaults = rank0.build_engine()
@@ -344,7 +345,7 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
                                                    for t in mcp.openai_tools()) or "none yet")
 
     async def on_cleanup(_app) -> None:
-        async_engine.shutdown(timeout=1.0)  # bounded: the exit deadline is running
+        async_engine.shutdown(timeout=wait_budget())  # bounded: the exit deadline is running
         if mcp is not None:  # stops the MCP server processes
             await asyncio.get_running_loop().run_in_executor(None, mcp.close, 2.0)
 

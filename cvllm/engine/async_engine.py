@@ -88,6 +88,9 @@ class AsyncEngine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread is still in a step %.1f s after the stop",
+                               timeout)
 
     def is_ready(self) -> bool:
         return self._ready.is_set()

@@ -43,7 +43,7 @@ from cvllm.engine.async_engine import AsyncEngine, OutputSink
 from cvllm.outputs import RequestOutput
 from cvllm.sampling_params import StructuredOutputs
 from cvllm.utils import channel as ch
-from cvllm.utils.exit_deadline import exit_by
+from cvllm.utils.exit_deadline import exit_by, wait_budget
 
 logger = logging.getLogger("cvllm.runtime")
 
@@ -88,6 +88,7 @@ class ApiHost(OutputSink):
         self.address: Optional[str] = None
         self.closed = threading.Event()
         """Set when the channel is gone (the API process exited or broke it)."""
+        self._threads: List[threading.Thread] = []
 
     # ---------------------------------------------------------------- OutputSink
     def deliver(self, outputs: List[RequestOutput]) -> None:
@@ -106,12 +107,21 @@ class ApiHost(OutputSink):
         self._writer.send_json(ch.HELLO, self._hello.to_wire())
         for target, name in ((self._read_loop, "cvllm-api-reader"),
                              (self._write_loop, "cvllm-api-writer")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+            self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+            self._threads[-1].start()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """End the channel and wait (at most ``timeout``) for the reader and writer
+        threads: a daemon thread that ends while the interpreter finalizes and drops the
+        last reference to the engine frees its tensors there, and torch, releasing the
+        GIL mid-free, aborts the exit (SIGABRT: measured, a core's backtrace)."""
         self._out.put(None)
         self._break()
         self._compiles.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _break(self) -> None:
         """End the channel both ways: the API process sees it close and stops."""
@@ -322,10 +332,11 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
                     host.address, proc.pid)
         _forward_signals_until_exit(proc, host, hello.shutdown_timeout_s)
     finally:
-        # After serving, an exit deadline runs (bounded wait); a failed start has none, and
-        # the engine's daemon thread must be out of torch before the interpreter tears down
-        # (a thread still inside it then can abort the exit: SIGABRT, not the error's 2).
-        async_engine.shutdown(timeout=1.0 if listening else 10.0)
+        # After serving, an exit deadline runs (the wait is bounded by it); a failed start
+        # has none, and the engine's daemon thread must be out of torch before the
+        # interpreter tears down (a thread still inside it then can abort the exit:
+        # SIGABRT, not the error's 2).
+        async_engine.shutdown(timeout=wait_budget() if listening else 10.0)
         if proc is not None and proc.poll() is None:
             proc.kill()
         if host is not None:

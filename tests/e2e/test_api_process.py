@@ -51,7 +51,7 @@ def test_a_signal_to_every_process_drains_once(long_tiny_llama, tmp_path):  # no
         # drained: the stream ran to its length (a second signal would have aborted it)
         assert out.get("finish_reason") == "length" and out.get("done"), (out, server.text())
         assert not wait_gone([server.proc.pid, api], 10), server.text()
-        assert server.proc.wait(5) == 0
+        assert server.proc.wait(5) == 0, server.text()
         assert "second SIGTERM" not in server.text()
     finally:
         server.stop()

@@ -137,6 +137,10 @@ def test_the_engine_side_closing_ends_the_api_side(tokenizer):  # noqa: F811
         gen = remote.generate("w", [9], SamplingParams(temperature=0, max_tokens=10_000))
         await gen.__anext__()
         host.close()  # rank 0 went away
+        # its reader and writer threads are over when close returns: a daemon thread that
+        # ends later, while the interpreter finalizes, may free the engine's tensors there
+        # and abort the exit (SIGABRT seen in tests/e2e/test_shutdown.py under load)
+        assert [t for t in host._threads if t.is_alive()] == [] and len(host._threads) == 2
         await asyncio.wait_for(remote.closed_event.wait(), 5)
         with pytest.raises(EngineDeadError):
             async for _ in gen:
