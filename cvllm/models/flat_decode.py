@@ -16,10 +16,11 @@ step, the attention backend's ``forward``), so its outputs are bit-identical to 
 module path (``tests/models/test_flat_decode.py``) at about two thirds of the time
 (``docs/quantization.md``).
 
-Eligible: ``LlamaModel`` stacks whose layers, attention, MLP, norms and rotation run the
-Llama code unchanged (Llama, Mistral, Qwen2 and others that only change construction),
-on one rank (no tensor-parallel reduction inside a layer), with the torch reference
-attention backend. Anything else keeps its forward (``build`` returns None).
+Eligible: ``LlamaModel`` stacks whose layers, MLP, norms and rotation run the Llama code
+unchanged, with Llama's attention (Llama, Mistral, Qwen2 and others that only change
+construction) or Qwen3's (q and k RMS-normed per head before the rotation), on one rank
+(no tensor-parallel reduction inside a layer), with the torch reference attention
+backend. Anything else keeps its forward (``build`` returns None).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cvllm.attention.metadata import AttentionMetadata
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.rotary import RotaryEmbedding
 from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from cvllm.models.qwen3 import Qwen3Attention
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,6 +57,12 @@ class _FlatLayer:
     scale: float
     sliding_window: Optional[int]
     softcap: Optional[float]
+    q_norm: Optional[Fn] = None  # Qwen3: per head, [T, H, D] -> [T, H, D]
+    k_norm: Optional[Fn] = None
+
+
+_ATTENTION_FORWARDS = (LlamaAttention.forward, Qwen3Attention.forward)
+"""The attention forwards ``FlatDecoder._attention`` computes (``_bind`` reads which)."""
 
 
 def _plain_layer(layer) -> bool:
@@ -62,7 +70,10 @@ def _plain_layer(layer) -> bool:
     if type(layer).forward is not LlamaDecoderLayer.forward or layer.defer_reduce:
         return False
     attn, mlp = layer.self_attn, layer.mlp  # what that forward calls
-    if type(attn).forward is not LlamaAttention.forward or type(mlp).forward is not LlamaMLP.forward:
+    if type(attn).forward not in _ATTENTION_FORWARDS or type(mlp).forward is not LlamaMLP.forward:
+        return False
+    if type(attn).forward is Qwen3Attention.forward and not all(
+            type(n) is RMSNorm for n in (attn.q_norm, attn.k_norm)):
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (all(type(n) is RMSNorm for n in (layer.input_layernorm,
@@ -100,6 +111,7 @@ class FlatDecoder:
     def _bind(layer) -> _FlatLayer:
         attn, mlp = layer.self_attn, layer.mlp
         a = attn.attn
+        qk_norms = type(attn).forward is Qwen3Attention.forward
         return _FlatLayer(
             input_norm=layer.input_layernorm.host_fn(),
             post_norm=layer.post_attention_layernorm.host_fn(),
@@ -111,6 +123,8 @@ class FlatDecoder:
             attend=a.backend.forward,
             heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_size,
             scale=a.scale, sliding_window=a.sliding_window, softcap=a.logits_soft_cap,
+            q_norm=attn.q_norm.host_fn() if qk_norms else None,
+            k_norm=attn.k_norm.host_fn() if qk_norms else None,
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -131,13 +145,19 @@ class FlatDecoder:
     @staticmethod
     def _attention(lay: _FlatLayer, x: torch.Tensor, rotate: Fn, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``LlamaAttention.forward`` of normed rows ``x [T, hidden]``."""
+        """The attention's forward (Llama's, or Qwen3's) of normed rows ``x [T, hidden]``."""
         qkv = lay.qkv(x)  # [T, (H + 2 Hkv) * D]
         T, D = qkv.shape[0], lay.head_dim
-        qk_cols = (lay.heads + lay.kv_heads) * D
-        qk = rotate(qkv[:, :qk_cols])  # [T, (H + Hkv) * D], q's heads then k's
-        q = qk[:, :lay.heads * D].reshape(T, lay.heads, D)  # [T, H, D]
-        k = qk[:, lay.heads * D:].reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
+        qk_cols, q_cols = (lay.heads + lay.kv_heads) * D, lay.heads * D
+        if lay.q_norm is None:
+            qk = rotate(qkv[:, :qk_cols])  # [T, (H + Hkv) * D], q's heads then k's
+            q, k = qk[:, :q_cols], qk[:, q_cols:]
+        else:  # normed apart, so rotated apart, as Qwen3Attention does
+            q = rotate(lay.q_norm(qkv[:, :q_cols].reshape(T, lay.heads, D)).reshape(T, -1))
+            k = rotate(lay.k_norm(qkv[:, q_cols:qk_cols].reshape(T, lay.kv_heads, D))
+                       .reshape(T, -1))
+        q = q.reshape(T, lay.heads, D)  # [T, H, D]
+        k = k.reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
         v = qkv[:, qk_cols:].reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
         out = lay.attend(q, k, v, k_cache, v_cache, meta.view(lay.sliding_window), lay.scale,
                          lay.sliding_window, lay.softcap)  # [T, H, D]

@@ -4,7 +4,8 @@ first, then the flat loop on the same inputs (it rewrites the same K/V values in
 same slots), and the two hidden states must be equal (``torch.equal``: the loop calls the
 same functions in the same order, so no tolerance). Covered: one stream (attention over
 views of consecutive blocks), several streams of different lengths (gathered blocks), a
-sliding window shorter than the context (Mistral), q/k/v biases (Qwen2), weights kept
+sliding window shorter than the context (Mistral), q/k/v biases (Qwen2), per-head q/k
+norms (Qwen3), weights kept
 quantized by ``--isq`` at Q4_0 (the int4 kernel called directly) and Q8_0 (two planes),
 bf16 activations and an FP8 KV cache. Families whose layers differ from Llama's get no flat loop."""
 
@@ -29,12 +30,17 @@ def _save(folder: Path, arch: str, **overrides) -> Path:
     """A tiny random HF model of ``arch`` (llama, mistral, qwen2, qwen3) with a tokenizer."""
     import transformers
 
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+             "qwen3_moe": "Qwen3Moe"}
     cfg = {k: v for k, v in LLAMA_CFG.items() if k not in ("architectures", "model_type")}
     cfg.update(overrides)
     torch.manual_seed(0)
     config = getattr(transformers, f"{names[arch]}Config")(**cfg)
     model = getattr(transformers, f"{names[arch]}ForCausalLM")(config)
+    with torch.no_grad():  # norms apart from ones: a swapped or skipped one shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     word_tokenizer(VOCAB).save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
@@ -88,18 +94,22 @@ def test_flat_decode_equals_module_path_llama(llama_dir: Path, kw) -> None:
     assert _checked_generation(llm, PROMPTS) >= 9  # three streams: gathered blocks
 
 
-def test_flat_decode_sliding_window_and_biases(tmp_path: Path) -> None:
+def test_flat_decode_sliding_window_biases_and_qk_norms(tmp_path: Path) -> None:
     mistral = _llm(_save(tmp_path / "mistral", "mistral", sliding_window=6))
     assert _checked_generation(mistral, PROMPTS) >= 9  # contexts past the window
     qwen2 = _llm(_save(tmp_path / "qwen2", "qwen2"))
     assert qwen2.engine.runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert _checked_generation(qwen2, PROMPTS) >= 9
+    qwen3 = _llm(_save(tmp_path / "qwen3", "qwen3"), isq="q4_0")
+    assert _checked_generation(qwen3, PROMPTS[:1]) == 9
+    assert _checked_generation(qwen3, PROMPTS) >= 9
 
 
 def test_flat_decode_only_where_the_layers_are_llamas(tmp_path: Path, llama_dir: Path) -> None:
-    # Qwen3's attention normalizes q and k per head: its own forward, so no flat loop.
-    qwen3 = _llm(_save(tmp_path / "qwen3", "qwen3"))
-    assert qwen3.engine.runner.flat is None
-    assert qwen3.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3))
+    # Qwen3-MoE's layers route tokens to experts: their own MLP, so no flat loop.
+    moe = _llm(_save(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=64))
+    assert moe.engine.runner.flat is None
+    assert moe.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3))
     # --disable-cuda-graph: every step through the modules on the CPU too
     assert _llm(llama_dir, disable_cuda_graph=True).engine.runner.flat is None
