@@ -9,7 +9,7 @@ Subclasses build ``self.model``, ``self.lm_head``, ``self.logits_processor`` and
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence, Set, Tuple
+from typing import Iterable, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -28,12 +28,6 @@ class CausalLMBase(nn.Module):
         """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden]``; updates
         each layer's cache entry in ``kv_caches`` (K/V, latents or state slots)."""
         return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def flat_decoder(self) -> Optional[Callable]:
-        """A callable with ``forward``'s signature and results for pure-decode steps on
-        the CPU, cheaper per step (``models/flat_decode.py``); None (the default) where
-        the family offers none. Called once by the worker, after loading."""
-        return None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[S, hidden] -> [S, vocab]`` float32 (soft-capped where the config says so)."""

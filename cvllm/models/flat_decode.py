@@ -1,26 +1,29 @@
 """A pure-decode step of a Llama-shaped decoder as one flat loop: the CPU's counterpart of
 a decode CUDA graph.
 
-Built once by the worker (``ModelRunner``) from a loaded model whose ``flat_decoder()``
-offers one; called instead of the model's forward for CPU steps in which every sequence
-decodes one token. Holds no state of its own: the weights, norms, rotation and attention
-backend it calls belong to the model's modules, bound here once.
+Built once by the worker (``ModelRunner``: ``build_flat_decoder``) from a loaded model
+that qualifies; called instead of the model's forward for CPU steps in which every
+sequence decodes one token. Holds no state of its own: the weights, norms, rotation and
+attention backend it calls belong to the model's modules, bound here once.
 
 Why: a small model's decode step on the CPU is mostly per-op cost, not arithmetic. The
 default model's 30 layers of 576 columns spend about 0.12 ms a layer in the int4 matmuls
 and three times that in the module path around them: module calls, the linear -> quant
 method -> backend dispatch, per-call checks, about 57 torch ops a layer. This loop calls
 the same functions in the same order (each module's ``host_*`` callable: the linears'
-``host_linear``, ``RMSNorm.host_fn``, ``RotaryEmbedding.host_rotation`` computed once a
-step, the attention backend's ``forward``), so its outputs are bit-identical to the
-module path (``tests/models/test_flat_decode.py``) at about two thirds of the time
+``host_linear`` (the down projection's with the gated activation, as its forward applies
+it), ``RMSNorm.host_fn``, ``RotaryEmbedding.host_rotation`` computed once a step, the
+attention's own ``qk_maps``, the attention backend's ``forward``), so its outputs are
+bit-identical to the module path (``tests/models/test_flat_decode.py``) at about two thirds of the time
 (``docs/quantization.md``).
 
-Eligible: ``LlamaModel`` stacks whose layers, MLP, norms and rotation run the Llama code
-unchanged, with Llama's attention (Llama, Mistral, Qwen2 and others that only change
-construction) or Qwen3's (q and k RMS-normed per head before the rotation), on one rank
-(no tensor-parallel reduction inside a layer), with the torch reference attention
-backend. Anything else keeps its forward (``build`` returns None).
+Eligible: ``LlamaForCausalLM`` models whose decoder layers, MLP, norms and rotation run the
+Llama code unchanged, and whose attention runs the forward it declares as its
+``flat_forward`` (Llama's: Llama, Mistral, Qwen2 and others that only change
+construction; Qwen3's, with per-head q/k norms as its ``qk_maps``), on one rank (no
+tensor-parallel reduction inside a layer), with the torch reference attention backend.
+Anything else keeps its forward (``build_flat_decoder`` returns None). A decision made
+on the classes' code, so a subclass that overrides one of those methods is refused.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from cvllm.attention.metadata import AttentionMetadata
+from cvllm.layers.attention import Attention
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.rotary import RotaryEmbedding
-from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from cvllm.models.qwen3 import Qwen3Attention
+from cvllm.models.base import CausalLMBase
+from cvllm.models.llama import (
+    LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
+)
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,8 +54,7 @@ class _FlatLayer:
     qkv: Fn  # [T, hidden] -> [T, (H + 2 Hkv) * D]
     o: Fn  # [T, H * D] -> [T, hidden]
     gate_up: Fn  # [T, hidden] -> [T, 2I]
-    act: Fn  # [T, 2I] -> [T, I]
-    down: Fn  # [T, I] -> [T, hidden]
+    act_down: Fn  # [T, 2I] -> [T, hidden]: the gated activation, then down_proj
     attend: Callable  # the attention backend's forward
     heads: int
     kv_heads: int
@@ -57,12 +62,21 @@ class _FlatLayer:
     scale: float
     sliding_window: Optional[int]
     softcap: Optional[float]
-    q_norm: Optional[Fn] = None  # Qwen3: per head, [T, H, D] -> [T, H, D]
-    k_norm: Optional[Fn] = None
+    q_map: Optional[Fn] = None  # the attention's qk_maps: [T, heads * D] -> same
+    k_map: Optional[Fn] = None
 
 
-_ATTENTION_FORWARDS = (LlamaAttention.forward, Qwen3Attention.forward)
-"""The attention forwards ``FlatDecoder._attention`` computes (``_bind`` reads which)."""
+_ROTARY_METHODS = ("forward", "host_rotation", "_rotate_neox_full", "_neox_rows", "_rotate")
+"""What ``RotaryEmbedding.forward`` runs on the CPU (a scaling subclass changes only the
+cos / sin cache)."""
+
+
+def build_flat_decoder(model: torch.nn.Module) -> Optional["FlatDecoder"]:
+    """A flat decoder of ``model`` (loaded, on the CPU), or None where its code differs
+    from what the loop reproduces (the module docstring)."""
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not CausalLMBase.forward:
+        return None
+    return FlatDecoder.build(model.model)
 
 
 def _plain_layer(layer) -> bool:
@@ -70,16 +84,16 @@ def _plain_layer(layer) -> bool:
     if type(layer).forward is not LlamaDecoderLayer.forward or layer.defer_reduce:
         return False
     attn, mlp = layer.self_attn, layer.mlp  # what that forward calls
-    if type(attn).forward not in _ATTENTION_FORWARDS or type(mlp).forward is not LlamaMLP.forward:
+    if not isinstance(attn, LlamaAttention) or type(attn).forward is not type(attn).flat_forward:
         return False
-    if type(attn).forward is Qwen3Attention.forward and not all(
-            type(n) is RMSNorm for n in (attn.q_norm, attn.k_norm)):
+    if type(mlp).forward is not LlamaMLP.forward or type(attn.attn) is not Attention:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    rot = type(attn.rotary_emb)
     return (all(type(n) is RMSNorm for n in (layer.input_layernorm,
                                              layer.post_attention_layernorm))
             and all(lin.tp_size == 1 for lin in linears)
-            and type(attn.rotary_emb).forward is RotaryEmbedding.forward
+            and all(getattr(rot, m) is getattr(RotaryEmbedding, m) for m in _ROTARY_METHODS)
             and attn.attn.backend.name == "torch_ref")
 
 
@@ -111,20 +125,18 @@ class FlatDecoder:
     def _bind(layer) -> _FlatLayer:
         attn, mlp = layer.self_attn, layer.mlp
         a = attn.attn
-        qk_norms = type(attn).forward is Qwen3Attention.forward
+        q_map, k_map = attn.qk_maps()
         return _FlatLayer(
             input_norm=layer.input_layernorm.host_fn(),
             post_norm=layer.post_attention_layernorm.host_fn(),
             qkv=attn.qkv_proj.quant_method.host_linear(attn.qkv_proj),
             o=attn.o_proj.quant_method.host_linear(attn.o_proj),
             gate_up=mlp.gate_up_proj.quant_method.host_linear(mlp.gate_up_proj),
-            act=mlp.act_fn.forward,  # a module without hooks: its forward, one call less
-            down=mlp.down_proj.quant_method.host_linear(mlp.down_proj),
+            act_down=mlp.down_proj.quant_method.host_linear(mlp.down_proj, act_fn=mlp.act_fn),
             attend=a.backend.forward,
             heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_size,
             scale=a.scale, sliding_window=a.sliding_window, softcap=a.logits_soft_cap,
-            q_norm=attn.q_norm.host_fn() if qk_norms else None,
-            k_norm=attn.k_norm.host_fn() if qk_norms else None,
+            q_map=q_map, k_map=k_map,
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -139,23 +151,22 @@ class FlatDecoder:
             hidden = self._attention(lay, lay.input_norm(residual), rotate, k_cache, v_cache,
                                      attn_metadata)
             residual = hidden + residual
-            hidden = lay.down(lay.act(lay.gate_up(lay.post_norm(residual))))  # [T, hidden]
+            hidden = lay.act_down(lay.gate_up(lay.post_norm(residual)))  # [T, hidden]
         return self.final_norm(hidden + residual)  # [T, hidden]
 
     @staticmethod
     def _attention(lay: _FlatLayer, x: torch.Tensor, rotate: Fn, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention's forward (Llama's, or Qwen3's) of normed rows ``x [T, hidden]``."""
+        """The attention's ``flat_forward`` of normed rows ``x [T, hidden]``."""
         qkv = lay.qkv(x)  # [T, (H + 2 Hkv) * D]
         T, D = qkv.shape[0], lay.head_dim
         qk_cols, q_cols = (lay.heads + lay.kv_heads) * D, lay.heads * D
-        if lay.q_norm is None:
+        if lay.q_map is None:
             qk = rotate(qkv[:, :qk_cols])  # [T, (H + Hkv) * D], q's heads then k's
             q, k = qk[:, :q_cols], qk[:, q_cols:]
-        else:  # normed apart, so rotated apart, as Qwen3Attention does
-            q = rotate(lay.q_norm(qkv[:, :q_cols].reshape(T, lay.heads, D)).reshape(T, -1))
-            k = rotate(lay.k_norm(qkv[:, q_cols:qk_cols].reshape(T, lay.kv_heads, D))
-                       .reshape(T, -1))
+        else:  # mapped apart (Qwen3: normed per head), so rotated apart, as forward does
+            q = rotate(lay.q_map(qkv[:, :q_cols]))  # [T, H * D]
+            k = rotate(lay.k_map(qkv[:, q_cols:qk_cols]))  # [T, Hkv * D]
         q = q.reshape(T, lay.heads, D)  # [T, H, D]
         k = k.reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
         v = qkv[:, qk_cols:].reshape(T, lay.kv_heads, D)  # [T, Hkv, D]

@@ -138,6 +138,16 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.o_proj(out)  # [T, hidden]
 
+    flat_forward = forward
+    """The forward ``models/flat_decode.py`` reproduces for this class: qkv, the per-head
+    q / k maps of ``qk_maps`` (none here), rotation, attention, o_proj. A subclass that
+    overrides ``forward`` otherwise keeps this one, so its layers stay on their forward."""
+
+    def qk_maps(self) -> Tuple[Optional[Callable], Optional[Callable]]:
+        """What ``forward`` does to q and k (``[T, heads * D]`` each) before the rotation:
+        ``(None, None)`` for nothing."""
+        return None, None
+
 
 class LlamaDecoderLayer(nn.Module):
     # Families that differ only in attention (Qwen2 biases, Qwen3 q/k norms) swap this.
@@ -294,11 +304,6 @@ class LlamaForCausalLM(CausalLMBase):
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(model_config.vocab_size)
-
-    def flat_decoder(self) -> Optional[Callable]:
-        from cvllm.models.flat_decode import FlatDecoder  # it imports this module
-
-        return FlatDecoder.build(self.model)
 
     @staticmethod
     def _sliding_window(model_config: ModelConfig) -> Union[None, int, List[Optional[int]]]:

@@ -9,7 +9,8 @@ worker on every rank like every model class.
 
 from __future__ import annotations
 
-from typing import List, Optional
+import functools
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -46,6 +47,12 @@ class Qwen3Attention(LlamaAttention):
         # The backend rotates q and k (in place) together with its K/V cache write.
         out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
         return self.o_proj(out)  # [T, hidden]
+
+    flat_forward = forward
+
+    def qk_maps(self) -> Tuple[Optional[Callable], Optional[Callable]]:
+        return (functools.partial(self._norm_heads, norm=self.q_norm),
+                functools.partial(self._norm_heads, norm=self.k_norm))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -63,11 +63,16 @@ class LinearMethodBase(ABC):
             x = act_fn(x)  # [.., I]
         return self.apply(layer, x, bias)
 
-    def host_linear(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> apply(layer, x, layer.bias)`` as one callable with the weights bound,
+    def host_linear(self, layer: torch.nn.Module, act_fn: Optional[torch.nn.Module] = None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> apply(layer, x, layer.bias)`` (with ``act_fn``: ``apply_fused``'s
+        ``apply(layer, act_fn(x), layer.bias)``) as one callable with the weights bound,
         for a caller that runs this layer's math outside its module on one rank (the
         CPU's flat decode loop, ``models/flat_decode.py``); a method overrides it where
-        it can call its kernel more directly. Same results as ``apply``."""
+        it can call its kernel more directly. Same results as those calls."""
+        if act_fn is not None:
+            return functools.partial(self.apply_fused, layer, bias=layer.bias, act_fn=act_fn,
+                                     sink=None)
         return functools.partial(self.apply, layer, bias=layer.bias)
 
     def input_granularity(self) -> int:

@@ -248,11 +248,18 @@ class GGUFLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.prepared.linear(x, bias)
 
-    def host_linear(self, layer) -> Callable[[torch.Tensor], torch.Tensor]:
-        if len(self.prepared.groups) == 1:  # the backend's own callable, one call less
-            backend, w, _ = self.prepared.groups[0]
-            return backend.linear_fn(w, layer.bias)
-        return super().host_linear(layer)
+    def host_linear(self, layer, act_fn: Optional[torch.nn.Module] = None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        if len(self.prepared.groups) != 1:
+            return super().host_linear(layer, act_fn)
+        backend, w, _ = self.prepared.groups[0]
+        if act_fn is not None and type(backend).linear_gated is not GgmlBackend.linear_gated:
+            return super().host_linear(layer, act_fn)  # apply_fused may fuse: call it
+        fn = backend.linear_fn(w, layer.bias)  # the backend's own callable, calls less
+        if act_fn is None:
+            return fn
+        act = act_fn.forward  # a module without hooks: one call less
+        return lambda x: fn(act(x))  # apply_fused here: the activation, then the linear
 
     def apply_fused(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                     act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:

@@ -55,10 +55,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 return g.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
-    def host_linear(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        if layer.weight.is_cuda:  # apply's GEMV choice
-            return super().host_linear(layer)
-        return functools.partial(F.linear, weight=layer.weight, bias=layer.bias)
+    def host_linear(self, layer: torch.nn.Module, act_fn: Optional[torch.nn.Module] = None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        if layer.weight.is_cuda:  # apply's GEMV choices
+            return super().host_linear(layer, act_fn)
+        fn = functools.partial(F.linear, weight=layer.weight, bias=layer.bias)
+        if act_fn is None:
+            return fn
+        act = act_fn.forward  # off CUDA apply_fused is the activation, then apply
+        return lambda x: fn(act(x))
 
     def apply_fused(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                     act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:

@@ -332,10 +332,10 @@ def serve_with_api_process(async_engine: AsyncEngine, hello: Hello, command: Seq
                     host.address, proc.pid)
         _forward_signals_until_exit(proc, host, hello.shutdown_timeout_s)
     finally:
-        # After serving, an exit deadline runs (the wait is bounded by it); a failed start
-        # has none, and the engine's daemon thread must be out of torch before the
-        # interpreter tears down (a thread still inside it then can abort the exit:
-        # SIGABRT, not the error's 2).
+        # The engine's daemon thread must be out of torch before the interpreter tears
+        # down (a thread still inside it then can abort the exit: SIGABRT, not the
+        # error's 2). After a signal the wait ends 2 s before the exit deadline; without
+        # one (the API process left by itself, a failed start) it is bounded on its own.
         async_engine.shutdown(timeout=wait_budget() if listening else 10.0)
         if proc is not None and proc.poll() is None:
             proc.kill()

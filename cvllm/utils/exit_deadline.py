@@ -48,10 +48,11 @@ def remaining() -> Optional[float]:
         return None if _deadline is None else _deadline - time.monotonic()
 
 
-def wait_budget(margin_s: float = 0.5, least_s: float = 1.0, unarmed_s: float = 10.0) -> float:
+def wait_budget(margin_s: float = 2.0, least_s: float = 1.0, unarmed_s: float = 5.0) -> float:
     """Seconds a shutdown step may wait for something to end (a thread's join): until
-    ``margin_s`` before the deadline, at least ``least_s`` (past the deadline the
-    process leaves anyway); ``unarmed_s`` while no deadline is armed."""
+    ``margin_s`` before the deadline (left for the steps after it: closing channels,
+    SHUTDOWN to the ranks), at least ``least_s`` (past the deadline the process leaves
+    anyway); ``unarmed_s`` while no deadline is armed."""
     left = remaining()
     return unarmed_s if left is None else max(least_s, left - margin_s)
 

@@ -46,7 +46,7 @@ from cvllm.core.sampling_batch import SamplingBatch
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.kernels.transfer import to_device
 from cvllm.layers.sampler import Sampler, SamplingTensors
-from cvllm.models.base import CausalLMBase
+from cvllm.models.flat_decode import build_flat_decoder
 from cvllm.models.registry import get_model_class
 from cvllm.quantization.gguf import build_quant_config
 from cvllm.quantization.summary import format_summary, weight_summary
@@ -100,9 +100,8 @@ class ModelRunner:
                     self.kv_layout.num_state_slots)
         self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
         """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
-        self.flat = (self.model.flat_decoder() if self.device.type == "cpu"
-                     and not config.disable_cuda_graph and isinstance(self.model, CausalLMBase)
-                     else None)
+        self.flat = (build_flat_decoder(self.model)
+                     if self.device.type == "cpu" and not config.disable_cuda_graph else None)
         """The model's flat decode loop for pure-decode CPU steps (``models/flat_decode.py``);
         None: every step runs the model's forward."""
         self.mixed: Optional[MixedGraphRunner] = self._init_mixed_graphs()

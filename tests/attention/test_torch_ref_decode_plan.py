@@ -65,3 +65,19 @@ def test_several_sequences_never_take_the_run():
     meta = _check([(13, 1), (6, 1)], seed=12, consecutive=True)
     (plan,) = [p for key, p in meta.host_cache.items() if key[0] == "torch_ref.decode"]
     assert all(group[5] is None for group in plan)
+
+
+@pytest.mark.parametrize("length", [1, 13, 40])
+def test_lone_float32_stream_takes_the_short_path_with_the_same_bits(length):
+    """``forward``'s ``_decode_run`` (a lone float32 stream, every key visible) gives
+    exactly what the general group path gives on the same plan."""
+    q, k, v, (kc, vc), meta, fk, fv = make_batch([(length, 1)], 4, 2, 16, 4, seed=13,
+                                                 consecutive=True)
+    out = torch_ref.forward(q, k, v, kc, vc, meta, 0.25)
+    (plan,) = [p for key, p in meta.host_cache.items() if key[0] == "torch_ref.decode"]
+    (group,) = plan
+    assert group[5] is not None and group[4] is None
+    general = torch_ref._decode_group(q, kc, vc, group, torch_ref._Opts(0.25, None, None))
+    assert torch.equal(out, general)
+    torch.testing.assert_close(out.double(), naive_attention(q, fk, fv, [(length, 1)], 0.25),
+                               atol=1e-5, rtol=1e-5)

@@ -113,3 +113,26 @@ def test_flat_decode_only_where_the_layers_are_llamas(tmp_path: Path, llama_dir:
     assert moe.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3))
     # --disable-cuda-graph: every step through the modules on the CPU too
     assert _llm(llama_dir, disable_cuda_graph=True).engine.runner.flat is None
+
+
+def test_a_subclass_that_overrides_what_the_loop_copies_is_refused(llama_dir: Path) -> None:
+    """Eligibility follows the classes' code: override any method the loop reproduces
+    (the model's, a layer's attention, its rotation) and the model keeps its forward."""
+    from cvllm.models.flat_decode import build_flat_decoder
+
+    model = _llm(llama_dir).engine.runner.model
+    assert build_flat_decoder(model) is not None
+    attn = model.model.layers[1].self_attn
+    for obj, method in ((model, "forward"), (attn, "forward"),
+                        (attn.rotary_emb, "_rotate_neox_full"), (attn.rotary_emb, "_neox_rows")):
+        cls = type(obj)
+
+        def changed(self, *args, _orig=getattr(cls, method), **kwargs):
+            return _orig(self, *args, **kwargs)  # what a subclass might add goes here
+
+        obj.__class__ = type(f"Changed{cls.__name__}", (cls,), {method: changed})
+        try:
+            assert build_flat_decoder(model) is None, (cls.__name__, method)
+        finally:
+            obj.__class__ = cls
+    assert build_flat_decoder(model) is not None
