@@ -75,9 +75,8 @@ def _model_options(f: Callable) -> Callable:
                      help="Most tokens' worth of cached prefix blocks kept while no request "
                           "uses them (default: until the free blocks run out)."),
         click.option("--disable-cuda-graph", is_flag=True,
-                     help="Launch every step eagerly instead of replaying CUDA graphs (on "
-                          "the CPU: decode steps through the model's modules instead of its "
-                          "flat decode loop; same outputs)."),
+                     help="Launch every step eagerly instead of replaying CUDA graphs (CPU: "
+                          "decode steps through the modules, not the flat decode loop)."),
         click.option("--cuda-graph-max-tokens", type=click.IntRange(min=0), default=512,
                      show_default=True,
                      help="CUDA: steps with prompt tokens (new prompts' chunks, prefix-cache "
