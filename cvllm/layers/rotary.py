@@ -97,10 +97,8 @@ class RotaryEmbedding(nn.Module):
                                     self.head_size, self.is_neox_style)
         if self.is_neox_style and self.rotary_dim == self.head_size:
             return self._rotate_neox_full(positions, query, key)
-        cos_sin = self.cos_sin_cache.index_select(0, positions.reshape(-1))  # [T, rotary_dim]
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
-        query = self._rotate(query, cos, sin)
-        return query, (self._rotate(key, cos, sin) if key is not None else None)
+        rotate = self.host_rotation(positions, query.dtype)
+        return rotate(query), (rotate(key) if key is not None else None)
 
     def _rotate_neox_full(
         self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor]

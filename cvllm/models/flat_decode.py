@@ -14,8 +14,8 @@ the same functions in the same order (each module's ``host_*`` callable: the lin
 ``host_linear`` (the down projection's with the gated activation, as its forward applies
 it), ``RMSNorm.host_fn``, ``RotaryEmbedding.host_rotation`` computed once a step, the
 attention's own ``qk_maps``, the attention backend's ``forward``), so its outputs are
-bit-identical to the module path (``tests/models/test_flat_decode.py``) at about two thirds of the time
-(``docs/quantization.md``).
+bit-identical to the module path (``tests/models/test_flat_decode.py``) at about two
+thirds of the time (``docs/quantization.md``).
 
 Eligible: ``LlamaForCausalLM`` models whose decoder layers, MLP, norms and rotation run the
 Llama code unchanged, and whose attention runs the forward it declares as its
@@ -76,7 +76,16 @@ def build_flat_decoder(model: torch.nn.Module) -> Optional["FlatDecoder"]:
     from what the loop reproduces (the module docstring)."""
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not CausalLMBase.forward:
         return None
-    return FlatDecoder.build(model.model)
+    stack = model.model
+    if type(stack).forward is not LlamaModel.forward or not len(stack.layers):
+        return None
+    if stack.norm.weight.device.type != "cpu" or type(stack.norm) is not RMSNorm:
+        return None
+    rotary = stack.layers[0].self_attn.rotary_emb
+    if not all(_plain_layer(layer) and layer.self_attn.rotary_emb is rotary
+               for layer in stack.layers):
+        return None
+    return FlatDecoder(stack)
 
 
 def _plain_layer(layer) -> bool:
@@ -99,27 +108,14 @@ def _plain_layer(layer) -> bool:
 
 class FlatDecoder:
     """``__call__(input_ids, positions, attn_metadata, kv_caches)``: the model's forward
-    for a pure-decode CPU step (``[T, hidden]``, the last norm applied)."""
+    for a pure-decode CPU step (``[T, hidden]``, the last norm applied). Built by
+    ``build_flat_decoder``, which checks that ``model`` qualifies."""
 
     def __init__(self, model: LlamaModel):
         self.embed = model.embed_tokens
         self.final_norm = model.norm.host_fn()
         self.rotary = model.layers[0].self_attn.rotary_emb
         self.layers: List[_FlatLayer] = [self._bind(layer) for layer in model.layers]
-
-    @classmethod
-    def build(cls, model: torch.nn.Module) -> Optional["FlatDecoder"]:
-        """A flat decoder of ``model`` (a loaded ``LlamaModel`` on the CPU), or None where
-        its code differs from the Llama layers this loop copies."""
-        if type(model).forward is not LlamaModel.forward or not len(model.layers):
-            return None
-        if model.norm.weight.device.type != "cpu" or type(model.norm) is not RMSNorm:
-            return None
-        rotary = model.layers[0].self_attn.rotary_emb
-        if not all(_plain_layer(layer) and layer.self_attn.rotary_emb is rotary
-                   for layer in model.layers):
-            return None
-        return cls(model)
 
     @staticmethod
     def _bind(layer) -> _FlatLayer:

@@ -17,6 +17,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 
+def act_then(act_fn: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> fn(act_fn(x))``: a ``host_linear`` whose ``apply_fused`` is the activation
+    first, then the plain product (``act_fn``, a module without hooks, by its forward)."""
+    act = act_fn.forward
+    return lambda x: fn(act(x))
+
+
 def set_weight_attrs(param: torch.Tensor, attrs: Optional[Dict[str, Any]]) -> None:
     """Attach loading metadata (``output_dim``, ``input_dim``, ``weight_loader``) to a param."""
     for key, value in (attrs or {}).items():

@@ -40,7 +40,8 @@ from cvllm.kernels.quant.ggml_types import (
     FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, block_shape, parse_isq,
 )
 from cvllm.quantization.base import (
-    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, QuantizationConfig, set_weight_attrs,
+    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, QuantizationConfig, act_then,
+    set_weight_attrs,
 )
 from cvllm.quantization.packed import check_input_split, create_packed
 from cvllm.quantization.unquantized import FUSE_ACT
@@ -256,10 +257,7 @@ class GGUFLinearMethod(LinearMethodBase):
         if act_fn is not None and type(backend).linear_gated is not GgmlBackend.linear_gated:
             return super().host_linear(layer, act_fn)  # apply_fused may fuse: call it
         fn = backend.linear_fn(w, layer.bias)  # the backend's own callable, calls less
-        if act_fn is None:
-            return fn
-        act = act_fn.forward  # a module without hooks: one call less
-        return lambda x: fn(act(x))  # apply_fused here: the activation, then the linear
+        return fn if act_fn is None else act_then(act_fn, fn)
 
     def apply_fused(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor],
                     act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cvllm.quantization.base import (
-    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, set_weight_attrs,
+    EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, act_then, set_weight_attrs,
 )
 
 FUSE_ACT = os.environ.get("CVLLM_GEMV_ACT", "1").strip() != "0"
@@ -60,10 +60,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.weight.is_cuda:  # apply's GEMV choices
             return super().host_linear(layer, act_fn)
         fn = functools.partial(F.linear, weight=layer.weight, bias=layer.bias)
-        if act_fn is None:
-            return fn
-        act = act_fn.forward  # off CUDA apply_fused is the activation, then apply
-        return lambda x: fn(act(x))
+        return fn if act_fn is None else act_then(act_fn, fn)  # apply_fused off CUDA
 
     def apply_fused(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                     act_fn: Optional[torch.nn.Module], sink: Any) -> torch.Tensor:

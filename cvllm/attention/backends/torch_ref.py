@@ -76,8 +76,8 @@ def forward(
     if n == q.shape[0] and meta.num_decodes == meta.num_seqs:
         plan = _decode_plan(meta, q, k_cache, sliding_window)
         if len(plan) == 1:  # the usual decode step: one SDPA call's output is the answer
-            run, L = plan[0][5], plan[0][3]
-            if (run is not None and plan[0][4] is None and softcap is None
+            _, _, _, L, visible, run = plan[0]
+            if (run is not None and visible is None and softcap is None
                     and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
                 return _decode_run(q, k_cache, v_cache, run * k_cache.shape[1], L, scale)
             return _decode_group(q, k_cache, v_cache, plan[0],
