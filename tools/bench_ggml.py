@@ -8,6 +8,11 @@ Usage::
     # the tensor-core products (SWAP off / on x tiles) where they matter, one run:
     PYTHONPATH=. python tools/bench_ggml.py --sweep --jobs 16 --out ggml-mm-variants.json \
         --cases Q4_K:qkv,o_proj,gate_up,down:16,32,64,128 Q6_K:lm_head:64
+    # the batch-1 int8 GEMV's tiles and K splits; the down projection as the model calls it
+    PYTHONPATH=. python tools/bench_ggml.py --sweep --jobs 16 --paths gemv_i8 \
+        --cases Q4_K:qkv,o_proj,gate_up,down:1
+    PYTHONPATH=. python tools/bench_ggml.py --sweep --jobs 16 --paths gemv_i8 --gated \
+        --prequant on --cases Q4_K:down:1
 
 For each GGML type, each weight shape of the 8B Llama decoder and each row count M, the
 planned ``linear`` (``choose_path`` and the tile plans) is timed (on the tensor-core path
@@ -106,14 +111,34 @@ _MM64_SWEEP = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT) at M = 64
     (64, 128, 64, 4, 4, 8, 2), (64, 128, 256, 8, 3, 8, 1), (64, 256, 128, 8, 3, 8, 1)]
 
 
-_GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch) of the int8 GEMV (4-bit; Q8_0 halves BK)
+_GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch[, split]) of the int8 GEMV (4-bit; Q8_0
+    # halves BK), then K split over 2 to 8 programs (``SPLIT``) at the tiles that did best
     (16, 2048, 4, False), (8, 2048, 4, False), (16, 4096, 4, False), (8, 4096, 4, False),
     (8, 2048, 2, False), (4, 4096, 2, False), (4, 2048, 2, True), (8, 1024, 2, True),
-    (16, 4096, 8, False), (32, 4096, 8, False), (16, 1024, 4, True), (4, 4096, 4, False)]
+    (16, 4096, 8, False), (32, 4096, 8, False), (16, 1024, 4, True), (4, 4096, 4, False)] + [
+    (bn, bk, 4, False, split) for bn, bk in ((16, 2048), (8, 2048), (16, 1024), (8, 1024),
+                                             (4, 2048), (16, 4096), (8, 4096))
+    for split in (2, 4, 8)]
+PREQUANT = None
+"""``--prequant on|off``: the int8 GEMV's x rounded by its own kernel first (as the model's
+gated down projection is) or by each program; None: as planned (``ggml_cuda.PREQUANT_X``)."""
+PATHS = None
+"""``--paths``: sweep only these paths."""
+GATED = False
+"""``--gated``: at one row, x is a gate_up row ``[1, 2K]`` and the int8 GEMV applies SiLU
+and the product on load (the model's down projection; ``ggml_cuda.linear(.., act=)``)."""
+
+
+def _call(x, w, path=None, config=None, prequant=None):
+    """``ggml_cuda.linear`` as the model calls it (``--gated``: with the activation)."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    act = "silu" if GATED and x.shape[0] == 1 else None
+    return gc.linear(x, w, path=path, config=config, prequant=prequant, act=act)
 
 
 def _i8_order(c: tuple) -> tuple:
-    return c[1], c[0], c[2], c[3]
+    return c[1], c[0], c[2], c[3], c[4] if len(c) > 4 else 1
 
 
 _MM_TILES = {  # rows up to -> (BM, BN, BK, num_warps, num_stages) crossed with the variants
@@ -165,7 +190,7 @@ def candidates(m: int, int8: bool = False, wps: int = 4, n: int = 0, k: int = 0,
     ``sb``), 16 to 128 rows also sweep the tensor-core variants (``mm_variant_candidates``)."""
     variants = mm_variant_candidates(m, n, k, sb, num_sms) if n and 16 <= m <= 128 else []
     if m == 1:
-        i8 = sorted({(bn, max(32, bk * 4 // wps), w, p) for bn, bk, w, p in _GEMV_I8_SWEEP},
+        i8 = sorted({(c[0], max(32, c[1] * 4 // wps)) + tuple(c[2:]) for c in _GEMV_I8_SWEEP},
                     key=_i8_order)
         return [("gemv", c) for c in _GEMV_SWEEP] + ([("gemv_i8", c) for c in i8]
                                                      if int8 else [])
@@ -244,13 +269,19 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
         for m in ms:
             ws, bf = all_ws[:_copies(qbytes, m)], all_bf[:_copies(n * k * 2, m)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xg = x
+            if GATED and m == 1:  # a gate_up row whose act(gate) * up is the product's x
+                from cvllm.kernels.reference import act_and_mul_ref
+
+                xg = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                x = act_and_mul_ref(xg, "silu")
             flops = 2 * m * n * k
             row: Dict[str, Any] = {"type": tname, "shape": shape, "N": n, "K": k, "M": m,
                                    "quant_bytes": qbytes, "path": gc.choose_path(m, probe.spec)}
             want = F.linear(x, gc.dequantize(probe, torch.bfloat16)).float()
-            got = gc.linear(x, probe).float()
+            got = _call(xg, probe, prequant=PREQUANT).float()
             row["rel_err_vs_bf16_dense"] = ((got - want).norm() / want.norm()).item()
-            t_ms = _ms([lambda w=w: gc.linear(x, w) for w in ws], m)
+            t_ms = _ms([lambda w=w: _call(xg, w, prequant=PREQUANT) for w in ws], m)
             row.update(us=t_ms * 1e3, GBps=qbytes / t_ms / 1e6, TFLOPs=flops / t_ms / 1e9)
             if row["path"] == "mm":  # the planned tiles with the other product
                 plan = gc.mm_config(None, m, n, k, probe.spec, gc._sms(x), gc._has_wgmma(x))
@@ -261,7 +292,7 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
                 row.update(_bf16_baseline(shape, m, x, bf))
                 row["speedup_vs_bf16"] = row["bf16_cublas_us"] / row["us"]
             if shape in sweep_shapes:
-                row["sweep"] = _sweep(x, ws, m, want)
+                row["sweep"] = _sweep(xg, ws, m, want)
             emit(row)
         del ws, bf, all_ws, all_bf
         torch.cuda.empty_cache()
@@ -276,11 +307,15 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     cands = candidates(m, gc.takes_int8_gemv(spec), spec.sb * spec.lb // 32, n, k, spec.sb,
                        gc._sms(x))
     out = []
+    cands = [c for c in cands if (PATHS is None or c[0] in PATHS)
+             and not (GATED and m == 1 and c[0] != "gemv_i8")]
     for path, cfg in cands[PART[0]::PART[1]]:
+        pq = PREQUANT if path == "gemv_i8" else None
         try:
-            got = gc.linear(x, ws[0], path=path, config=cfg).float()
+            got = _call(x, ws[0], path=path, config=cfg, prequant=pq).float()
             err = ((got - want).norm() / want.norm()).item()
-            t_ms = _ms([lambda w=w: gc.linear(x, w, path=path, config=cfg) for w in ws], m)
+            t_ms = _ms([lambda w=w: _call(x, w, path=path, config=cfg, prequant=pq)
+                        for w in ws], m)
         except Exception as e:  # a config the compiler refuses (registers, smem)
             out.append({"path": path, "config": cfg, "error": str(e)[:160]})
             continue
@@ -319,7 +354,11 @@ def warm_in_parallel(work, sweep_of, jobs: int, parts: int = 4) -> None:
                 for i in range(parts if swept else 1):
                     cmds.append([sys.executable, os.path.abspath(__file__), "--warm",
                                  "--cases", f"{tname}:{shape}:{m}", "--part", f"{i}/{parts}"]
-                                + (["--sweep"] if swept else []))
+                                + (["--sweep"] if swept else [])
+                                + ([] if PREQUANT is None else
+                                   ["--prequant", "on" if PREQUANT else "off"])
+                                + (["--gated"] if GATED else [])
+                                + (["--paths", ",".join(PATHS)] if PATHS else []))
     start, running, failed = time.time(), [], 0
     while cmds or running:
         while cmds and len(running) < jobs:
@@ -332,7 +371,7 @@ def warm_in_parallel(work, sweep_of, jobs: int, parts: int = 4) -> None:
           flush=True)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_K,Q5_0,Q5_1,Q2_K,Q3_K,"
@@ -349,8 +388,19 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="compile first in this many --warm processes at once (the host's "
                     "cores), then time")
+    ap.add_argument("--prequant", choices=("plan", "on", "off"), default="plan",
+                    help="int8 GEMV: x rounded by its own kernel first (on: the gated down "
+                    "projection's default) or by every program (off)")
+    ap.add_argument("--gated", action="store_true",
+                    help="one row: x is a gate_up row, SiLU and product applied by the int8 "
+                    "GEMV (the down projection as the model calls it)")
+    ap.add_argument("--paths", default="", help="sweep only these paths (e.g. gemv_i8)")
     ap.add_argument("--part", default="0/1", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.cases:
         work = parse_cases(args.cases)
     else:
@@ -371,8 +421,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_ggml needs a CUDA device", file=sys.stderr)
         return 2
-    global WARM_ONLY, PART
+    global WARM_ONLY, PART, PREQUANT, PATHS, GATED
     WARM_ONLY = args.warm
+    GATED = args.gated
+    PREQUANT = {"plan": None, "on": True, "off": False}[args.prequant]
+    PATHS = set(args.paths.split(",")) if args.paths else None
     PART = tuple(int(v) for v in args.part.split("/"))
     if args.jobs > 1 and not WARM_ONLY:
         warm_in_parallel(work, sweep_of, args.jobs)

@@ -65,17 +65,23 @@ def test_gemv_i8_compiles_for_sm90(mode, off, wps):
     q4k = mode == 3  # PackSpec.dd / scm: packed (d, dm) words, (sc, mn) halfwords
     pointers = {"x_ptr": "*i32", "xs_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
                 "lo_ptr": "*i32", "d_ptr": "*i32" if q4k else "*fp16", "dm_ptr": "*fp16",
-                "sc_ptr": "*i16" if q4k else "*u8"}
-    # (x pre-rounded, prefetch, K a whole number of steps, gated activation): each branch
-    # of the kernel at least once (a pre-rounded x carries its activation already)
-    for xq, prefetch, even_k, act in ((False, False, True, 0), (True, True, False, 0),
-                                      (False, True, False, 1)):
+                "sc_ptr": "*i16" if q4k else "*u8", "ws_ptr": "*fp32", "sem_ptr": "*i32"}
+    # (x pre-rounded, prefetch, K a whole number of steps, gated activation, K split):
+    # each branch of the kernel at least once (a pre-rounded x carries its activation)
+    for xq, prefetch, even_k, act, split in ((False, False, True, 0, 1),
+                                             (True, True, False, 0, 1),
+                                             (False, True, False, 1, 1),
+                                             (False, False, True, 0, 4),
+                                             (True, True, True, 0, 2)):
         pointers["x_ptr"] = "*i32" if xq else "*bf16"
         compiled = _compile(gk.ggml_gemv_i8_kernel, pointers, dict(
             SUPER=256 if mode == 3 else 32, MODE=mode, OFF=off, BN=16, NSUB=2048 // 32 // (
-                wps // 4), HAS_BIAS=False, EVEN_K=even_k, PREFETCH=prefetch, PDL=False,
-            WIDE=False, ASM=True, ACT=act, XQ=xq, WPS=wps))
-        assert "dp4a" in compiled.asm["ptx"]
+                wps // 4), HAS_BIAS=split == 2, EVEN_K=even_k, PREFETCH=prefetch, PDL=False,
+            WIDE=False, ASM=True, ACT=act, XQ=xq, WPS=wps, SPLIT=split, STEPS=2))
+        ptx = compiled.asm["ptx"]
+        assert "dp4a" in ptx
+        # a split program counts itself with one gpu-scope acq_rel atomic
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1), split
 
 
 @pytest.mark.parametrize("wps", [4, 8])

@@ -241,6 +241,13 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
         check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(16, 256, 4, False), **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(8, 1024, 4, False), **common)
+        # K split over programs (the last to arrive adds the runs): 3 asked of 4 steps
+        # is trimmed to 2 runs of 2; one step a run, prefetched runs of two
+        check_linear(t, n, k, 1, path="gemv_i8", config=(4, 128, 2, False, 3), bias=True,
+                     **common)
+        check_linear(t, n, k, 1, path="gemv_i8", config=(8, 256, 4, False, 2), **common)
+        w4, _ = check_linear(t, n, k, 1, path="gemv_i8", config=(16, 64, 4, True, 4), **common)
+        assert not w4.sem.any()  # every count back at zero for the next call
         g = torch.Generator(device=device).manual_seed(k)  # seeded: a tolerance, not luck
         x = torch.randn(1, k, generator=g, device=device).to(dtype)
         x[0, 64:96] = 0  # a block of zeros (no scale) and a lone large value
@@ -251,7 +258,8 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
             # several K steps, the last one masked (768 = 3 x 256; 768 < 1024), prefetched
             raw3 = random_raw(t, 24, 768, device=device)
             check_gated(gc.prepare(raw3, t), oracle(raw3, t), device, dtype,
-                        configs=((16, 256, 4, True), (8, 512, 4, False), (8, 1024, 4, False)))
+                        configs=((16, 256, 4, True), (8, 512, 4, False), (8, 1024, 4, False),
+                                 (8, 512, 4, False, 2), (4, 256, 4, True, 2)))
         # An exact weight (an LM head) keeps the float path: the same bits as asking for it.
         w_exact = gc.prepare(raw, t, exact=True)
         x = torch.randn(1, k, generator=g, device=device).to(dtype)
@@ -458,17 +466,38 @@ def test_plans_cover_the_sms_and_split_small_grids():
         assert choose_path(1, q4k) == "gemv"
     finally:
         gc.INT8_GEMV = True
-    # The H100 sweep's int8 plans: gate_up, qkv, o_proj / down.
-    assert gc.plan_gemv_i8(28672, 4096, 132) == (16, 2048, 4, False)
-    assert gc.plan_gemv_i8(6144, 4096, 132) == (8, 2048, 4, False)
-    assert gc.plan_gemv_i8(4096, 4096, 132) == gc.plan_gemv_i8(4096, 14336, 132) == (
-        16, 4096, 4, False)
-    assert gc.plan_gemv_i8(64, 512, 132) == (16, 512, 4, False)
+
+
+def test_int8_gemv_plans_and_splits():
+    from cvllm.kernels.quant import ggml_cuda as gc
+
+    # The H200 sweep's int8 plans (BN, BK, warps, prefetch, split): gate_up, qkv (K split
+    # in two), o_proj, down (split in four); a gated down projection's x rounded first.
+    assert gc.plan_gemv_i8(28672, 4096, 132) == (16, 2048, 4, False, 1)
+    assert gc.plan_gemv_i8(6144, 4096, 132) == (16, 2048, 4, False, 2)
+    assert gc.plan_gemv_i8(4096, 4096, 132) == (16, 4096, 4, False, 1)
+    assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 1024, 4, False, 4)
+    assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (4, 2048, 2, True, 1)
+    assert gc.plan_gemv_i8(64, 512, 132) == (16, 512, 4, False, 1)
     # Q8_0 (8 words a sub-block): half the K step, the same words a program
-    assert gc.plan_gemv_i8(28672, 4096, 132, wps=8) == (16, 1024, 4, False)
-    assert gc.plan_gemv_i8(4096, 4096, 132, wps=8) == (16, 2048, 4, False)
-    # x rounded beforehand (by default a gated row only): 8 rows, 2048-element steps
-    assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (8, 2048, 4, False)
+    assert gc.plan_gemv_i8(28672, 4096, 132, wps=8) == (16, 1024, 4, False, 1)
+    assert gc.plan_gemv_i8(4096, 4096, 132, wps=8) == (16, 2048, 4, False, 1)
+    assert gc.i8_config(None, 4096, 14336, 132, False, 8) == (16, 512, 4, False, 4, 7)
+    # a split is trimmed so that no run is empty: 5 steps asked in 4 runs go in 3 of 2
+    assert gc.i8_config((16, 1024, 4, False, 4), 4096, 5120, 132, False, 4)[4:] == (3, 2)
+    assert gc.i8_config((16, 2048, 4, False, 8), 4096, 4096, 132, False, 4)[4:] == (2, 1)
+    assert gc.i8_config((16, 2048, 4, False), 4096, 4096, 132, False, 4)[4:] == (1, 2)
+    for bad in ((16, 2048, 4, False, 0), (2, 2048, 4, False, 2), (16, 2048, 4)):
+        with pytest.raises(ValueError):
+            gc.i8_config(bad, 4096, 4096, 132, False, 4)
+    # CVLLM_GGML_I8_SPLIT=0: the plan before the split
+    try:
+        gc.I8_SPLIT = False
+        assert gc.plan_gemv_i8(6144, 4096, 132) == (8, 2048, 4, False, 1)
+        assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 4096, 4, False, 1)
+        assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (8, 2048, 4, False, 1)
+    finally:
+        gc.I8_SPLIT = True
     assert gc._prequant(1) and not gc._prequant(0)
 
 
@@ -529,11 +558,19 @@ def test_gemv_is_deterministic_and_graph_safe():
     raw = random_raw(GgmlType.Q4_K, 4096, 4096, device="cuda")
     w = gc.prepare(raw, GgmlType.Q4_K)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    first = gc.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gc.linear(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(first, gc.linear(x, w)) and torch.equal(first, out)
+    for cfg in (None, (16, 1024, 4, False, 4), (8, 2048, 4, False, 2)):  # planned; K split
+        first = gc.linear(x, w, config=cfg)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gc.linear(x, w, config=cfg)
+        for _ in range(3):  # a split call leaves its counts at zero for the next replay
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(first, out) and not w.sem.any()
+        assert torch.equal(first, gc.linear(x, w, config=cfg))
+    # the split products add the same float32 partials as one program would, in order:
+    # equal to the unsplit product within float32 summation order
+    whole = gc.linear(x, w, config=(16, 1024, 4, False, 1)).float()
+    torch.testing.assert_close(gc.linear(x, w, config=(16, 1024, 4, False, 4)).float(), whole,
+                               rtol=1e-2, atol=1e-2 * whole.abs().max().item())

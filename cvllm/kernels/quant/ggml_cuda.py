@@ -18,8 +18,11 @@ number of rows M and the type (``choose_path``):
   float path spends about 6.4 instructions an element and is bound by its issue slots,
   this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off. It also takes a gate_up row and
   applies the gated activation on load (``linear(.., act=)``, ``CudaBackend.linear_gated``:
-  the MLP's down projection in one kernel). Weights prepared ``exact`` (the LM head,
-  whose logits pick the greedy token) keep the float ``gemv``.
+  the MLP's down projection in one kernel). Where row blocks alone leave the SMs short
+  of work (qkv, down), K is split over programs and the last of a row block to arrive
+  adds the partial sums (``plan_gemv_i8``; ``CudaGgmlWeight.sem`` holds the counts).
+  Weights prepared ``exact`` (the LM head, whose logits pick the greedy token) keep the
+  float ``gemv``.
 - ``gemv`` (M <= ``GEMV_MAX_M`` = 2): float32 FMA in registers, the weight streamed once
   (``ggml_kernels.ggml_gemv_kernel``); batch-1 decode is a pure weight stream.
 - ``mm`` (up to 128 rows): weight tiles dequantized in registers into ``tl.dot``, K split
@@ -79,9 +82,14 @@ DENSE_MIN_M = 129
 the tensor-core kernel wins by 1.3-2x; 128 was not measured (it decodes each weight once
 there, as at 64)."""
 MAX_K = 1 << 20
+SEM_ROWS = 4
+"""Fewest rows a program of the split-K int8 GEMV takes (``CudaGgmlWeight.sem``)."""
 INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
 """Batch-1 products of Q4_0 / Q4_1 / Q4_K / Q8_0 round the activations to int8 (``gemv_i8``);
 ``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read once."""
+I8_SPLIT = os.environ.get("CVLLM_GGML_I8_SPLIT", "1").strip() != "0"
+"""The int8 GEMV may split K over several programs where its row blocks alone leave the
+SMs short of work (``plan_gemv_i8``); ``CVLLM_GGML_I8_SPLIT=0``: never."""
 PREQUANT_X = os.environ.get("CVLLM_GGML_Q8_X", "gated").strip().lower()
 """Which ``gemv_i8`` inputs are rounded to int8 by a kernel of their own
 (``ggml_kernels.ggml_q8_kernel``) before the GEMV, instead of by every GEMV program:
@@ -128,6 +136,10 @@ class CudaGgmlWeight:
     logits pick the greedy token."""
     args: tuple = field(init=False, repr=False)
     """``(pointers, row strides)`` of the kernels (absent fields stand in as ``lo``)."""
+    sem: torch.Tensor = field(init=False, repr=False)
+    """int32 zeros, one per ``SEM_ROWS`` rows: the split-K int8 GEMV's arrival counts
+    (``ggml_kernels.ggml_gemv_i8_kernel``, ``SPLIT``), back at zero after every call.
+    Made here, at load, never inside a CUDA-graph capture (4 bytes per 4 rows)."""
 
     def __post_init__(self) -> None:
         _check_weight(self)
@@ -135,6 +147,8 @@ class CudaGgmlWeight:
         ptrs = [lo] + [v if v is not None else lo for v in
                        (self.hi, self.d, self.dm, self.sc)]
         self.args = (ptrs, (lo.stride(0), self.shape[1] // self.spec.sb, self.d.stride(0)))
+        self.sem = torch.zeros(-(-self.shape[0] // SEM_ROWS), dtype=torch.int32,
+                               device=lo.device)
 
     @property
     def spec(self) -> PackSpec:
@@ -380,26 +394,60 @@ def _wps(spec: PackSpec) -> int:
 
 
 def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int = 4
-                 ) -> Tuple[int, int, int, bool]:
-    """``(BN, BK, num_warps, prefetch)`` of ``ggml_gemv_i8_kernel``. The H100 sweep
-    (Q4_K, 8B shapes; 13 configs): 16 rows and 2048-element K steps where 16-row programs
-    fill the SMs eight times over (gate_up, N = 28672: 26.8 us against 29.3 for 8 rows),
-    8 rows and 2048 where they fill them two to eight times (qkv, N = 6144: 7.6 against
-    8.9), else 16 rows and 4096 (o_proj and down, N = 4096: 4.8 / 17.5 us against 6.4 /
-    19.0 for the next best); 4 warps each. With x rounded beforehand (``prequant``) a
-    program's step is lighter and more, smaller programs hide the loads better: 8 rows
-    and 2048 were best or within 2% at every shape (down 17.0 us against 20.1 for 16 and
-    4096). Q8_0 (``wps`` 8 words a sub-block) takes half the K step: the same words a
-    program holds."""
+                 ) -> Tuple[int, int, int, bool, int]:
+    """``(BN, BK, num_warps, prefetch, split)`` of ``ggml_gemv_i8_kernel``, from the H200
+    sweep with K split over programs (Q4_K, 8B shapes, 33 configs,
+    docs/benchmarks/ggml-split-h200.json): 16 rows and 2048-element K steps, unsplit,
+    where 16-row programs fill the SMs eight times over (gate_up, N = 28672: 20.0 us;
+    split 2 or 4: 23.2); the same steps split in two where they fill them two to eight
+    times (qkv, N = 6144: 5.96 us against 6.55 for the earlier 8 rows unsplit); 16 rows
+    and 1024, split in four, for a long row of few programs (down, K = 14336: 11.9 us
+    against 14.1 for 16 rows of 4096, the best unsplit); else 16 rows of 4096 in one step
+    (o_proj, N = K = 4096: 4.47 us, no split faster). With x rounded beforehand
+    (``prequant``, the gated down projection) 4 rows, 2048-element steps and 2 warps,
+    prefetched (12.2 us with the rounding kernel, 13.1 for the earlier 8 rows of 4 warps,
+    13.4 for the best split). ``CVLLM_GGML_I8_SPLIT=0``: the plan before the split (H100
+    sweep: 8 rows of 2048 where programs fill the SMs two to eight times or x is rounded
+    beforehand, else as above unsplit). Q8_0 (``wps`` 8 words a sub-block) takes half
+    the K step: the same words a program holds."""
     programs = triton.cdiv(n, 16)
-    if prequant or programs > 2 * num_sms and programs < 8 * num_sms:
-        bn, bk = 8, 2048
+    bn, bk, warps, prefetch, split = 16, 4096, 4, False, 1
+    if not I8_SPLIT:
+        if prequant or 2 * num_sms < programs < 8 * num_sms:
+            bn, bk = 8, 2048
+        elif programs >= 8 * num_sms:
+            bk = 2048
+    elif prequant:
+        bn, bk, warps, prefetch = 4, 2048, 2, True
     elif programs >= 8 * num_sms:
-        bn, bk = 16, 2048
-    else:
-        bn, bk = 16, 4096
+        bk = 2048
+    elif programs > 2 * num_sms:
+        bk, split = 2048, 2
+    elif k > 2 * bk:
+        bk, split = 1024, 4
     bk = max(32, min(bk * 4 // wps, triton.next_power_of_2(k)))
-    return bn, bk, 4, False
+    return bn, bk, warps, prefetch, split
+
+
+def i8_config(config: Optional[tuple], n: int, k: int, num_sms: int, prequant: bool,
+              wps: int) -> Tuple[int, int, int, bool, int, int]:
+    """``(BN, BK, num_warps, prefetch, split, steps)`` of one int8 GEMV call: the plan's,
+    or ``config`` as given (four values: no split; or five), refused (ValueError) where
+    the kernel cannot take it. ``split`` is trimmed so that every run of ``steps`` K
+    steps has at least one."""
+    cfg = tuple(config) if config else plan_gemv_i8(n, k, num_sms, prequant, wps)
+    if len(cfg) == 4:
+        cfg = cfg + (1,)
+    if len(cfg) != 5:
+        raise ValueError(f"an int8 GEMV config is (BN, BK, num_warps, prefetch[, split]); "
+                         f"got {config!r}")
+    bn, bk, warps, prefetch, split = cfg
+    if split < 1 or (split > 1 and bn < SEM_ROWS):
+        raise ValueError(f"an int8 GEMV split must be >= 1, with BN >= {SEM_ROWS} when > 1; "
+                         f"got {config!r}")
+    total = triton.cdiv(k, bk)
+    steps = triton.cdiv(total, min(split, total))
+    return bn, bk, warps, prefetch, triton.cdiv(total, steps), steps
 
 
 def _prequant(act: int) -> bool:
@@ -426,19 +474,21 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
     n, k = w.shape
     prequant = _prequant(act) if prequant is None else prequant
     wps = _wps(w.spec)
-    bn, bk, warps, prefetch = config or plan_gemv_i8(n, k, _sms(x2), prequant, wps)
+    bn, bk, warps, prefetch, split, steps = i8_config(config, n, k, _sms(x2), prequant, wps)
     (lo, _hi, d, dm, sc), (s_lo, s_sub, s_d) = w.args
     spec = w.spec
     xq, xs = x2, x2
     if prequant:
         xq, xs = quantize_q8(x2, k, act, wps)
         act = 0
-    gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn),)](
-        xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, n, k, s_lo, s_sub,
-        s_d, SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn, NSUB=bk // 32,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PREFETCH=prefetch and k > bk,
-        PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,
-        XQ=xq is not x2, WPS=wps, num_warps=warps, **pdl.launch_args(x2))
+    ws = torch.empty(split, n, dtype=torch.float32, device=y.device) if split > 1 else y
+    gk.ggml_gemv_i8_kernel[(triton.cdiv(n, bn) * split,)](
+        xq, xs, y, bias if bias is not None else y, lo, d, dm, sc, ws, w.sem, n, k, s_lo,
+        s_sub, s_d, SUPER=spec.superblock, MODE=spec.mode, OFF=spec.off, BN=bn,
+        NSUB=bk // 32, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        PREFETCH=prefetch and steps > 1, PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31,
+        ASM=not _INTERPRETED, ACT=act, XQ=xq is not x2, WPS=wps, SPLIT=split, STEPS=steps,
+        num_warps=warps, **pdl.launch_args(x2))
 
 
 def mm_config(config: Optional[tuple], m: int, n: int, k: int, spec: PackSpec,

@@ -519,12 +519,13 @@ def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.conste
 
 @triton.jit
 def ggml_gemv_i8_kernel(
-    x_ptr, xs_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr,
+    x_ptr, xs_ptr, y_ptr, b_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, ws_ptr, sem_ptr,
     N, K, s_lo, s_sub, s_d,
     SUPER: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
     BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
-    ACT: tl.constexpr, XQ: tl.constexpr, WPS: tl.constexpr,
+    ACT: tl.constexpr, XQ: tl.constexpr, WPS: tl.constexpr, SPLIT: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     """``y[0, rows] = x[0] @ W[rows]^T (+ b)`` for one input row and the plain 4-bit types
     (Q4_0, Q4_1, Q4_K: 32-element sub-blocks of four words, no high bits, no table) and
@@ -536,35 +537,75 @@ def ggml_gemv_i8_kernel(
     ``WIDE``: 64-bit row offsets (a weight past 2**31 words); ``ASM``: dp4a in PTX (off
     under the interpreter); ``ACT``: x is a gate_up row, the gated activation applied on
     load (``_q8_runs``); ``XQ``: x arrives rounded (``ggml_q8_kernel``: words at ``x_ptr``,
-    steps at ``xs_ptr``), so no program repeats that work."""
+    steps at ``xs_ptr``), so no program repeats that work.
+
+    ``SPLIT`` > 1: K is cut into ``SPLIT`` runs of ``STEPS`` steps, one program each
+    (program ``pid``: rows ``pid // SPLIT``, run ``pid % SPLIT``), so a weight of few
+    rows still has enough programs in flight to stream at the copy rate. Each program
+    stores its float32 partial sums in ``ws [SPLIT, N]`` and counts itself in
+    ``sem[pid // SPLIT]``; the last of a row block to arrive adds the partials in run
+    order (the same bits whatever the arrival order), writes ``y`` and sets the count
+    back to zero for the next call. Calls on one ``sem`` must be stream-ordered."""
     BK: tl.constexpr = NSUB * 32
     pid = tl.program_id(0)
-    offs_n = pid * BN + tl.arange(0, BN)
+    if SPLIT > 1:
+        blk = pid // SPLIT
+        k_lo = (pid % SPLIT) * (STEPS * BK)
+        k_hi = tl.minimum(K, k_lo + STEPS * BK)
+    else:
+        blk = pid
+        k_lo = 0
+        k_hi = K
+    offs_n = blk * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
     if WIDE:
         rows = rows.to(tl.int64)
-    lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, 0, K, s_lo, s_sub, s_d,
+    lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k_lo, K, s_lo, s_sub, s_d,
                         SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
     if PDL:
         gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
         gdc_launch_dependents()
     if PREFETCH:
         acc = tl.zeros((BN, NSUB), dtype=tl.float32)
-        for k0 in range(BK, K, BK):
+        for k0 in range(k_lo + BK, k_hi, BK):
             n_lo, n_s, n_m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K,
                                       s_lo, s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0 - BK, K, NSUB, EVEN_K, ASM, ACT,
                             XQ, WPS)
             lo, s, m = n_lo, n_s, n_m
-        acc += _i8_step(lo, s, m, x_ptr, xs_ptr, (K - 1) // BK * BK, K, NSUB, EVEN_K, ASM,
-                        ACT, XQ, WPS)
+        acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k_lo + (k_hi - k_lo - 1) // BK * BK, K,
+                        NSUB, EVEN_K, ASM, ACT, XQ, WPS)
     else:
-        acc = _i8_step(lo, s, m, x_ptr, xs_ptr, 0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
-        for k0 in range(BK, K, BK):
+        acc = _i8_step(lo, s, m, x_ptr, xs_ptr, k_lo, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
+        for k0 in range(k_lo + BK, k_hi, BK):
             lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo,
                                 s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
     y = tl.sum(acc, axis=1)  # [BN]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    if SPLIT > 1:
+        _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, pid % SPLIT, N,
+                      SPLIT, HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, run, N,
+                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Run ``run``'s partial sums ``y [BN]`` of row block ``blk`` into ``ws [SPLIT, N]``,
+    then the count: the last run to arrive adds all of them in order, writes ``y`` and
+    sets the count back to zero (``ggml_gemv_i8_kernel``, ``SPLIT``)."""
+    nmask = offs_n < N
+    tl.store(ws_ptr + run * N + offs_n, y, mask=nmask)
+    tl.debug_barrier()  # every thread's partial is written before the count
+    arrived = tl.atomic_add(sem_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:  # the last run of this row block: add them all
+        y = tl.load(ws_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg")
+        for r in tl.static_range(1, SPLIT):
+            y += tl.load(ws_ptr + r * N + offs_n, mask=nmask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+        tl.atomic_xchg(sem_ptr + blk, 0, sem="relaxed", scope="gpu")
