@@ -20,18 +20,22 @@ Kernels:
   heads that share a KV head are the rows of one ``tl.dot`` tile (padded to 16), so each
   K/V tile is read once for the whole group. Long contexts are split along the sequence
   (flash-decoding); each split writes its normalised output and log2-sum-exp2, then
-  ``_merge_kernel`` combines them. With ``fused_merge`` each split instead takes a
-  ticket from a per-(sequence, KV head) counter and the split that arrives last merges
-  its group's partials (``_merge_group``) and resets the counter to 0, with no second
-  launch; the counters live in one zeroed int32 buffer per device that every call
-  reuses. With one split the decode kernel writes the output directly.
+  ``_merge_kernel`` combines them. With ``fused_merge`` only the splits that hold keys
+  of the sequence take part (a grid planned for ``max_seq_len``, as in a CUDA graph,
+  has many empty ones at a short context): one alone writes the output itself; more
+  take tickets from a per-(sequence, KV head) counter and the one that arrives last
+  merges its group's partials (``_merge_active``, every head and split of a load in
+  flight at once) and resets the counter to 0, with no second launch; the counters
+  live in one zeroed int32 buffer per device that every call reuses. With one planned
+  split the decode kernel writes the output directly.
 - ``_prefill_kernel``: one program per (BLOCK_M queries, query head, sequence) for
   variable-length batches, online softmax over BLOCK_N-key tiles gathered through the
   block table, ``tl.dot`` for QK^T and PV with float32 accumulation.
 
 On Hopper the decode and merge kernels are launched with PDL and wait (``gdc_wait``)
-before they read anything: each is resident when the kernel before it ends
-(``kernels/pdl.py``).
+before they read what earlier kernels wrote: each is resident when the kernel before it
+ends (``kernels/pdl.py``). The decode kernel reads its sequence's length before the
+wait: a step input, copied in before the step's first kernel.
 
 Scores are float32 throughout: ``s = scale * q.k``, then ``softcap * tanh(s / softcap)``,
 then the softmax in base 2.
@@ -47,6 +51,7 @@ score scale, ``v_scale`` into the normalised output (attention is linear in V).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -66,11 +71,16 @@ _MIN_SPLIT_TOKENS = 64
 on an H100, docs/benchmarks/kernels-h100.json: 64-key splits beat 32, 128 and 256 at
 every context from 128 to 2048 keys)."""
 _MAX_SPLITS = 64
-FUSED_MERGE = False
-"""Whether the last split merges its group inside the decode kernel by default. Off: the
-one program's serial merge of its group's heads costs more than the separate merge
-kernel's launch (H100, batch 1, docs/benchmarks/kernels-decode-h100.json: 11.5 against
-5.9 us per layer at 128 keys, 13.1 against 7.8 us at 1024)."""
+FUSED_MERGE = os.environ.get("CVLLM_FUSED_MERGE", "1") != "0"
+"""Whether the splits that hold keys merge inside the decode kernel (``_merge_active``)
+by default; ``CVLLM_FUSED_MERGE=0``: the separate merge kernel. Batch 1 on an H200 (32
+query / 8 KV heads, splits planned for 2,048 keys as in a CUDA graph): 5.7, 6.5, 6.9 and
+8.4 us a layer at 128, 512, 1,024 and 2,048 keys (docs/benchmarks/kernels-decode-fused2-
+h200.json) against 7.0, 7.3, 9.2 and 9.2 with the separate merge on the same kind of
+machine (kernels-decode-fused-h200.json); in an 8B Q4_K step's graph the merge kernel's
+77 us went with it (ablate2-q4k-h200.json). The first fused version, one program merging
+its group's heads and every planned split one at a time, was slower than the second
+launch (11.5 against 5.9 us at 128 keys, H100; 2.18 against 1.96 ms for the H200 step)."""
 _STAGES = 2
 """Software-pipelining depth of the K/V loads in the decode and prefill loops."""
 _SMEM_BUDGET = 128 * 1024
@@ -212,26 +222,40 @@ def write_kv(
 
 
 @triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, b, h0, num_heads_here, num_splits,
-                 num_heads, head_dim, stride_ob, stride_oh,
-                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[b, h] = sum_s 2**lse_s * o_s / sum_s 2**lse_s`` for heads ``h0 ..``. Reads go
-    to L2 (``.cg``): the partials were written by other programs."""
-    offs_s = tl.arange(0, BLOCK_S)
+def _merge_active(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, n_act, num_splits, num_heads,
+                  head_dim, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_GM: tl.constexpr,
+                  BLOCK_SM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[b, h] = sum_s 2**lse_s * o_s / sum_s 2**lse_s`` over the ``n_act`` splits
+    that hold keys, for the GROUP heads of KV head ``kvh`` at once: ``BLOCK_SM`` splits a
+    load (``[BLOCK_GM, BLOCK_SM, BLOCK_D]``, all in flight together), the running
+    maximum rescaling the sums between loads. Reads go to L2 (``.cg``): the partials were
+    written by other programs."""
+    offs_g = tl.arange(0, BLOCK_GM)
+    offs_s = tl.arange(0, BLOCK_SM)
     offs_d = tl.arange(0, BLOCK_D)
-    smask, dmask = offs_s < num_splits, offs_d < head_dim
-    for i in range(num_heads_here):
-        h = h0 + i
-        row = (b * num_heads + h) * num_splits + offs_s  # [BLOCK_S]
-        lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
-        o = tl.load(part_out_ptr + row[:, None] * head_dim + offs_d[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0,
-                    cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
-        res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
-                 res.to(out_ptr.dtype.element_ty), mask=dmask)
+    gmask, dmask = offs_g < GROUP, offs_d < head_dim
+    heads = kvh * GROUP + offs_g  # [BLOCK_GM]
+    m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+    wsum = tl.zeros([BLOCK_GM], tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for s0 in range(0, n_act, BLOCK_SM):
+        s = s0 + offs_s
+        mask = gmask[:, None] & (s < n_act)[None, :]  # [BLOCK_GM, BLOCK_SM]
+        row = (b * num_heads + heads)[:, None] * num_splits + s[None, :]
+        lse = tl.load(part_lse_ptr + row, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + row[:, :, None] * head_dim + offs_d[None, None, :],
+                    mask=mask[:, :, None] & dmask[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # [BLOCK_GM, BLOCK_SM, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_ref[:, None])  # [BLOCK_GM, BLOCK_SM]
+        alpha = tl.exp2(m - m_ref)  # 0 before the first load
+        wsum = wsum * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        m = m_new
+    res = acc / tl.maximum(wsum, 1e-30)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
 @jit_per_step(ints=("split_len", "num_splits", "stride_bt"),
@@ -245,22 +269,30 @@ def _decode_kernel(
     DIRECT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
-    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_GM: tl.constexpr,
+    BLOCK_SM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
-    of its visible keys ``[start, seq_len)``."""
+    of its visible keys ``[start, seq_len)``. ``FUSED_MERGE``: only the ``n_act`` splits
+    that hold keys take part (the others return at once); one of them writes ``out``
+    itself, more take tickets and the last merges (``_merge_active``)."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
     if PDL:
         gdc_wait()  # q and the cache come from the kernels before (launched with PDL)
         gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if FP8:
         scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
-    seq_len = tl.load(seq_lens_ptr + b)
     start = 0
     if USE_WINDOW:
         start = tl.maximum(seq_len - window, 0)
     lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    n_act = num_splits
+    if FUSED_MERGE:  # splits past the keys: nothing to add (split 0 still writes zeros)
+        n_act = tl.minimum(tl.cdiv(seq_len - start, split_len), num_splits)
+        if split >= tl.maximum(n_act, 1):
+            return
     offs_g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + offs_g  # [BLOCK_G]
     offs_d = tl.arange(0, BLOCK_D)
@@ -285,25 +317,29 @@ def _decode_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split: zeros
     if FP8:
         o = o * tl.load(v_scale_ptr)  # sum p (v8 * vs) = (sum p v8) * vs
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    row = (b * num_heads + heads) * num_splits + split  # [BLOCK_G] into [B, H, S]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     if DIRECT:  # a single split: no merge needed
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    elif not FUSED_MERGE:
+        tl.store(part_out_ptr + row[:, None] * head_dim + offs_d[None, :], o, mask=qmask)
+        tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
+    elif n_act <= 1:  # the only split with keys (or none: zeros)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        row = (b * num_heads + heads) * num_splits + split  # [BLOCK_G] into [B, H, S]
         tl.store(part_out_ptr + row[:, None] * head_dim + offs_d[None, :], o, mask=qmask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
-    if FUSED_MERGE and not DIRECT:
         # Every thread's partials are issued before the ticket; the acq_rel atomic (one
         # thread, gpu scope) publishes them and, for the last split, acquires the others'.
         tl.debug_barrier()
         counter = ticket_ptr + b * tl.num_programs(1) + kvh
         ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
+        if ticket == n_act - 1:
             tl.store(counter, 0)  # ready for the next call (and the next CUDA graph replay)
-            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP, GROUP,
-                         num_splits, num_heads, head_dim, stride_ob, stride_oh,
-                         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+            _merge_active(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, n_act, num_splits,
+                          num_heads, head_dim, stride_ob, stride_oh, GROUP=GROUP,
+                          BLOCK_GM=BLOCK_GM, BLOCK_SM=BLOCK_SM, BLOCK_D=BLOCK_D)
 
 
 @jit_per_step(ints=("num_splits",))
@@ -360,6 +396,17 @@ def merge_attention_partials(
             PDL=pdl.enabled(out), **pdl.launch_args(out),
         )
     return out
+
+
+def merge_block_sm(group: int, head_dim: int) -> int:
+    """Splits a load of ``_merge_active``: up to 32, and at most 16K float32 of partials
+    (``[BLOCK_GM, BLOCK_SM, BLOCK_D]``, 64 registers a thread at 8 warps), so a batch-1
+    graph's splits (34 planned for 2,065 keys on an H200) are read in one or two loads
+    (32 for Llama 3's groups of 4 heads of 128). One load a split at a time, with the
+    rescaling between, cost 11.3 us a layer at 2,048 keys against 9.2 for the separate
+    merge kernel (8 splits a load; H200, docs/benchmarks/kernels-decode-fused-h200.json)."""
+    rows = 16384 // _block_d(head_dim)
+    return max(2, min(32, rows // max(2, triton.next_power_of_2(group))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -451,10 +498,10 @@ def decode_attention(
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         DIRECT=direct, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_block_d(D),
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(window), IEEE_F32=q.dtype == torch.float32,
-        # BLOCK_S is a compile-time constant: fixed when unused, so eager decodes whose
-        # split count changes with the context do not compile new variants.
-        FP8=fp8, FUSED_MERGE=fused, PDL=pdl.enabled(q),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused and not direct else 2,
+        # The merge's tiles depend on the group only, so eager decodes whose split count
+        # changes with the context compile no new variants.
+        FP8=fp8, FUSED_MERGE=fused and not direct, PDL=pdl.enabled(q),
+        BLOCK_GM=max(2, triton.next_power_of_2(group)), BLOCK_SM=merge_block_sm(group, D),
         num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
         **pdl.launch_args(q),
     )

@@ -90,7 +90,10 @@ def check_write_kv(device="cpu", dtype=torch.float32, T=9, hkv=2, d=16, bs=16):
 
 
 def check_decode(seq_lens, heads: Tuple[int, int], d: int, bs=16, device="cpu",
-                 dtype=torch.float32, num_splits: Optional[int] = None, seed=0, **opts):
+                 dtype=torch.float32, num_splits: Optional[int] = None, seed=0, bound=0,
+                 **opts):
+    """``bound``: ``max_seq_len`` exceeds the longest sequence by that much, as a CUDA
+    graph's (planned for ``max_model_len``) does, so most splits hold no keys."""
     from cvllm.kernels import paged_attention as pa
 
     h, hkv = heads
@@ -100,18 +103,29 @@ def check_decode(seq_lens, heads: Tuple[int, int], d: int, bs=16, device="cpu",
     scale = d**-0.5
     want = ref.decode_attention_ref(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
                                     scale, **opts)
+    top = max(seq_lens) + bound
     got = pa.decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale,
-                              max_seq_len=max(seq_lens), num_splits=num_splits, **opts)
+                              max_seq_len=top, num_splits=num_splits, fused_merge=False, **opts)
     assert_close(got, want, dtype)
     # The merge fused into the decode kernel: the last split of each group merges and
     # resets its counter, so a second call sees zeroed counters and the same output.
     fused = [pa.decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale,
-                                 max_seq_len=max(seq_lens), num_splits=num_splits,
+                                 max_seq_len=top, num_splits=num_splits,
                                  fused_merge=True, **opts) for _ in range(2)]
     for buf in pa._TICKETS.get((q.device.type, q.device.index), []):
         assert int(buf.abs().sum()) == 0
     assert_close(fused[0], want, dtype)
     assert torch.equal(fused[0], fused[1])
+    if bound:  # a padding row (no keys, as in a padded graph batch) comes out as zeros
+        lens = torch.cat([p.seq_lens, p.seq_lens.new_zeros(1)])
+        tables = torch.cat([p.block_tables, p.block_tables[:1]])
+        q2 = torch.cat([q, q[:1]])
+        for fm in (False, True):
+            out = pa.decode_attention(q2, p.k_cache, p.v_cache, tables, lens, scale,
+                                      max_seq_len=top, num_splits=num_splits, fused_merge=fm,
+                                      **opts)
+            assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+            assert_close(out[:-1], want, dtype)
 
 
 def check_prefill(seqs, heads: Tuple[int, int], d: int, bs=16, device="cpu",
@@ -156,6 +170,8 @@ DECODE_CPU = [
     dict(seq_lens=[1, 17, 40, 33], heads=(4, 2), d=16, num_splits=3),
     dict(seq_lens=[5, 40, 33], heads=(4, 2), d=16, num_splits=3, sliding_window=7, softcap=3.0),
     dict(seq_lens=[23, 2], heads=(8, 1), d=24, sliding_window=20),  # MQA, D not a power of 2
+    # A graph-like bound: 7 splits of 16 keys planned, 0 to 3 of them hold keys.
+    dict(seq_lens=[1, 17, 40, 33], heads=(4, 2), d=16, num_splits=7, bound=70),
 ]
 PREFILL_SEQS = [(0, 20), (16, 1), (9, 7), (30, 18)]
 PREFILL_CPU = [
@@ -248,14 +264,17 @@ GPU_CONFIGS = [(torch.bfloat16, (32, 8), 128), (torch.bfloat16, (16, 16), 64),
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,heads,d", GPU_CONFIGS)
 @pytest.mark.parametrize("opts", OPTS + [{"sliding_window": 1000}])
-@pytest.mark.parametrize("seq_lens,num_splits", [
-    ([1, 17, 300, 4000, 2049, 64, 1500], None),  # 7 x Hkv programs: the planner splits
-    ([5000], None),
-    ([3000, 1], 1),  # long and unsplit
-    ([700, 33, 2100], 7),
+@pytest.mark.parametrize("seq_lens,num_splits,bound", [
+    ([1, 17, 300, 4000, 2049, 64, 1500], None, 0),  # 7 x Hkv programs: the planner splits
+    ([5000], None, 0),
+    ([3000, 1], 1, 0),  # long and unsplit
+    ([700, 33, 2100], 7, 0),
+    ([130], None, 2000),  # batch 1 in a graph planned for 2130 keys: 3 of 34 splits hold keys
+    ([1, 64, 65, 900], None, 3000),
 ])
-def test_decode_cuda(dtype, heads, d, opts, seq_lens, num_splits):
-    check_decode(seq_lens, heads, d, device="cuda", dtype=dtype, num_splits=num_splits, **opts)
+def test_decode_cuda(dtype, heads, d, opts, seq_lens, num_splits, bound):
+    check_decode(seq_lens, heads, d, device="cuda", dtype=dtype, num_splits=num_splits,
+                 bound=bound, **opts)
 
 
 @pytest.mark.gpu
