@@ -43,13 +43,15 @@ def _rms_norm_kernel(
 ):
     """Row ``pid``: ``out = norm(x [+ res]) * w`` (see the module docstring for roundings);
     with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
-    may alias ``x``: every element is read before its own row is written."""
-    if PDL:
-        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
-        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+    may alias ``x``: every element is read before its own row is written. The weight (a
+    parameter no kernel writes) is read before the PDL wait, off the critical path."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
+        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -59,7 +61,6 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     var = tl.sum(x * x, axis=0) / N
     normed = x * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if OFFSET:
         y = normed * (1.0 + w)
     else:

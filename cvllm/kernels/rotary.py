@@ -223,19 +223,20 @@ def _rotary_write_kv_kernel(
 ):
     """Token ``pid``: ``_rotary_kernel``'s rotation of q and k, then (``pid <
     num_writes`` and its slot >= 0) ``_write_kv_kernel``'s store of k and v. With PDL,
-    the position and its cos/sin row are read before the wait: the cache is a constant
-    and positions are a step input, copied in before the step's first kernel."""
+    the position, its cos/sin row and the slot are read before the wait: the cache is a
+    constant, positions and slots are step inputs, copied in before the step's first
+    kernel."""
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs1, offs2, dmask = _angles(cos_sin_ptr, pos_ptr, t, stride_cache, half,
                                             q_ptr.dtype.element_ty, IS_NEOX, BLOCK_D)
+    slot = tl.full([], -1, tl.int64)
+    if t < num_writes:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
     if PDL:
         gdc_wait()  # q, k, v come from the kernel before (the QKV projection)
         gdc_launch_dependents()
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, offs1, offs2, dmask,
                   BLOCK_H)
-    slot = tl.full([], -1, tl.int64)
-    if t < num_writes:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
     # Padding rows (slot -1, or past num_writes) write nothing. A [1, 1] tile rather than
     # a scalar: the interpreter cannot combine a scalar condition with a tile mask.
     write = (tl.zeros([1, 1], tl.int64) + slot) >= 0
