@@ -119,6 +119,12 @@ _GEMV_I8_SWEEP = [  # (BN, BK, num_warps, prefetch[, split]) of the int8 GEMV (4
     (bn, bk, 4, False, split) for bn, bk in ((16, 2048), (8, 2048), (16, 1024), (8, 1024),
                                              (4, 2048), (16, 4096), (8, 4096))
     for split in (2, 4, 8)]
+GEMV_I8_WIDE = [(bn, bk, warps, False, split)
+                for bn, bk, warps in ((32, 1024, 4), (32, 2048, 4), (64, 512, 8), (64, 1024, 8))
+                for split in (1, 2, 4, 8, 16)]
+"""``--i8-wide``: 32 and 64 rows a program (x rounded once for more rows), K split 1 to
+16 ways, in place of ``_GEMV_I8_SWEEP``."""
+I8_WIDE = False
 PREQUANT = None
 """``--prequant on|off``: the int8 GEMV's x rounded by its own kernel first (as the model's
 gated down projection is) or by each program; None: as planned (``ggml_cuda.PREQUANT_X``)."""
@@ -190,8 +196,8 @@ def candidates(m: int, int8: bool = False, wps: int = 4, n: int = 0, k: int = 0,
     ``sb``), 16 to 128 rows also sweep the tensor-core variants (``mm_variant_candidates``)."""
     variants = mm_variant_candidates(m, n, k, sb, num_sms) if n and 16 <= m <= 128 else []
     if m == 1:
-        i8 = sorted({(c[0], max(32, c[1] * 4 // wps)) + tuple(c[2:]) for c in _GEMV_I8_SWEEP},
-                    key=_i8_order)
+        i8 = sorted({(c[0], max(32, c[1] * 4 // wps)) + tuple(c[2:])
+                     for c in (GEMV_I8_WIDE if I8_WIDE else _GEMV_I8_SWEEP)}, key=_i8_order)
         return [("gemv", c) for c in _GEMV_SWEEP] + ([("gemv_i8", c) for c in i8]
                                                      if int8 else [])
     if m == 2:
@@ -358,6 +364,7 @@ def warm_in_parallel(work, sweep_of, jobs: int, parts: int = 4) -> None:
                                 + ([] if PREQUANT is None else
                                    ["--prequant", "on" if PREQUANT else "off"])
                                 + (["--gated"] if GATED else [])
+                                + (["--i8-wide"] if I8_WIDE else [])
                                 + (["--paths", ",".join(PATHS)] if PATHS else []))
     start, running, failed = time.time(), [], 0
     while cmds or running:
@@ -395,6 +402,8 @@ def parse_args() -> argparse.Namespace:
                     help="one row: x is a gate_up row, SiLU and product applied by the int8 "
                     "GEMV (the down projection as the model calls it)")
     ap.add_argument("--paths", default="", help="sweep only these paths (e.g. gemv_i8)")
+    ap.add_argument("--i8-wide", action="store_true",
+                    help="sweep the int8 GEMV at 32 and 64 rows a program (GEMV_I8_WIDE)")
     ap.add_argument("--part", default="0/1", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -421,8 +430,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_ggml needs a CUDA device", file=sys.stderr)
         return 2
-    global WARM_ONLY, PART, PREQUANT, PATHS, GATED
+    global WARM_ONLY, PART, PREQUANT, PATHS, GATED, I8_WIDE
     WARM_ONLY = args.warm
+    I8_WIDE = args.i8_wide
     GATED = args.gated
     PREQUANT = {"plan": None, "on": True, "off": False}[args.prequant]
     PATHS = set(args.paths.split(",")) if args.paths else None

@@ -472,9 +472,11 @@ def test_int8_gemv_plans_and_splits():
     from cvllm.kernels.quant import ggml_cuda as gc
 
     # The H200 sweep's int8 plans (BN, BK, warps, prefetch, split): gate_up, qkv (K split
-    # in two), o_proj, down (split in four); a gated down projection's x rounded first.
+    # in two, 32 rows a program for 4-bit weights), o_proj, down (split in four); a gated
+    # down projection's x rounded first.
     assert gc.plan_gemv_i8(28672, 4096, 132) == (16, 2048, 4, False, 1)
-    assert gc.plan_gemv_i8(6144, 4096, 132) == (16, 2048, 4, False, 2)
+    assert gc.plan_gemv_i8(6144, 4096, 132) == (32, 2048, 4, False, 2)
+    assert gc.plan_gemv_i8(6144, 4096, 132, wps=8) == (16, 1024, 4, False, 2)
     assert gc.plan_gemv_i8(4096, 4096, 132) == (16, 4096, 4, False, 1)
     assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 1024, 4, False, 4)
     assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (4, 2048, 2, True, 1)

@@ -400,7 +400,9 @@ def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int 
     docs/benchmarks/ggml-split-h200.json): 16 rows and 2048-element K steps, unsplit,
     where 16-row programs fill the SMs eight times over (gate_up, N = 28672: 20.0 us;
     split 2 or 4: 23.2); the same steps split in two where they fill them two to eight
-    times (qkv, N = 6144: 5.96 us against 6.55 for the earlier 8 rows unsplit); 16 rows
+    times (qkv, N = 6144: 5.96 us against 6.55 for the earlier 8 rows unsplit), at 32 rows
+    a program for the 4-bit types (5.71 against 6.03 us for 16 in the same run; 64 rows or
+    32 elsewhere were slower: docs/benchmarks/ggml-wide-h200.json); 16 rows
     and 1024, split in four, for a long row of few programs (down, K = 14336: 11.9 us
     against 14.1 for 16 rows of 4096, the best unsplit); else 16 rows of 4096 in one step
     (o_proj, N = K = 4096: 4.47 us, no split faster). With x rounded beforehand
@@ -423,6 +425,8 @@ def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int 
         bk = 2048
     elif programs > 2 * num_sms:
         bk, split = 2048, 2
+        if wps == 4:  # 4-bit: 32 rows a program (H200 sweep at 32 and 64 rows)
+            bn = 32
     elif k > 2 * bk:
         bk, split = 1024, 4
     bk = max(32, min(bk * 4 // wps, triton.next_power_of_2(k)))
