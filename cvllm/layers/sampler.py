@@ -25,7 +25,7 @@ Conventions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -39,16 +39,17 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling values of one step, on the logits' device (rank 0)."""
+    """Per-row sampling values of one step, on the logits' device (rank 0). The per-row
+    values (``temperature`` .. ``is_greedy``) go to the device on first use, in two
+    pinned copies: a step whose rows are all greedy, with no penalty, reads none of
+    them and copies nothing (batch-1 greedy decode: two copies and a kernel less a step)."""
 
-    temperature: torch.Tensor  # [S] float32; greedy rows hold 1.0 (they never divide)
-    top_p: torch.Tensor  # [S] float32
-    top_k: torch.Tensor  # [S] int64; V where disabled
-    min_p: torch.Tensor  # [S] float32
-    presence_penalty: torch.Tensor  # [S] float32
-    frequency_penalty: torch.Tensor  # [S] float32
-    repetition_penalty: torch.Tensor  # [S] float32
-    is_greedy: torch.Tensor  # [S] bool
+    host_floats: np.ndarray
+    """[6, S] float32: temperature (greedy rows hold 1.0: they never divide), top_p, min_p,
+    presence, frequency and repetition penalties."""
+    host_ints: np.ndarray
+    """[2, S] int64: top_k (V where disabled), greedy (0 / 1)."""
+    device: torch.device
     output_counts: Optional[torch.Tensor]
     """[S, V] int32 occurrences of each token in the output; None when no row penalizes."""
     prompt_mask: Optional[torch.Tensor]
@@ -74,6 +75,47 @@ class SamplingTensors:
     """[R] int64 rows constrained by structured output; None when no row is."""
     allowed: Optional[torch.Tensor] = None
     """[R, V] bool, the tokens each constrained row may take (from the bitmask)."""
+
+    _values: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    def _device_values(self) -> tuple:
+        if self._values is None:
+            floats = to_device(self.host_floats, self.device)  # [6, S]
+            ints = to_device(self.host_ints, self.device)  # [2, S]
+            self._values = (floats, ints, ints[1].bool())
+        return self._values
+
+    @property
+    def temperature(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][0]
+
+    @property
+    def top_p(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][1]
+
+    @property
+    def min_p(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][2]
+
+    @property
+    def presence_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][3]
+
+    @property
+    def frequency_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][4]
+
+    @property
+    def repetition_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._device_values()[0][5]
+
+    @property
+    def top_k(self) -> torch.Tensor:  # [S] int64
+        return self._device_values()[1][0]
+
+    @property
+    def is_greedy(self) -> torch.Tensor:  # [S] bool
+        return self._device_values()[2]
 
     @property
     def num_rows(self) -> int:
@@ -112,12 +154,12 @@ class SamplingTensors:
         # Greedy rows skip temperature/top-k/top-p/min-p; their values are neutralized.
         sampled = [not g for g in greedy]
 
-        # The per-row values go to the device in two pinned copies (kernels/transfer.py).
-        floats = to_device(np.array([[1.0 if g else t for g, t in zip(greedy, temperature)],
-                                     top_p, min_p, presence_penalty, frequency_penalty,
-                                     repetition_penalty], dtype=np.float32).reshape(6, num_rows),
-                           device)  # [6, S]
-        ints = to_device(np.array([ks, greedy], dtype=np.int64).reshape(2, num_rows), device)  # [2, S]
+        # The per-row values go to the device in two pinned copies (kernels/transfer.py),
+        # when first read.
+        floats = np.array([[1.0 if g else t for g, t in zip(greedy, temperature)],
+                           top_p, min_p, presence_penalty, frequency_penalty,
+                           repetition_penalty], dtype=np.float32).reshape(6, num_rows)
+        ints = np.array([ks, greedy], dtype=np.int64).reshape(2, num_rows)
         # Only rows that penalize contribute ids: the others' histories are never read.
         out_ids = [o if (r or q) else () for o, r, q in zip(output_token_ids, rep, fp)]
         rows = allowed = None
@@ -131,14 +173,9 @@ class SamplingTensors:
             prompt_ids = [p if r else () for p, r in zip(prompt_token_ids, rep)]
             prompt_mask = _token_counts(prompt_ids, vocab_size, device) > 0  # [S, V]
         return cls(
-            temperature=floats[0],
-            top_p=floats[1],
-            top_k=ints[0],
-            min_p=floats[2],
-            presence_penalty=floats[3],
-            frequency_penalty=floats[4],
-            repetition_penalty=floats[5],
-            is_greedy=ints[1].bool(),
+            host_floats=floats,
+            host_ints=ints,
+            device=torch.device(device),
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             seeds=list(seeds),
@@ -274,8 +311,9 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 num_logprobs: int = 0, logprobs: bool = True) -> SamplerOutput:
         """``logits`` [S, V] float32 is not modified in place. ``logprobs`` False: no row
-        wants them, so the CPU path skips the normaliser (a pass over [S, V]: 0.4 ms a
-        step for the default model's 49k vocabulary) and returns none."""
+        wants them, so none are computed (on the CPU that skips the normaliser, a pass
+        over [S, V]: 0.4 ms a step for the default model's 49k vocabulary; on CUDA two
+        launches) and none are returned."""
         if logits.dim() != 2 or logits.shape[0] != t.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
         raw = logits
@@ -286,8 +324,10 @@ class Sampler(torch.nn.Module):
             # One pass gives the row max, greedy tokens and logprob normaliser (torch's
             # single-row argmax / logsumexp are slow at batch 1); sampling reuses them.
             stats = row_stats(raw)  # (max, argmax, lse), each [S]
-            return self._logprobs(raw, self._sample_on_gpu(raw, t, stats), num_logprobs,
-                                  stats[2])
+            sampled = self._sample_on_gpu(raw, t, stats)
+            if not logprobs and not num_logprobs:  # no gather and subtract to launch
+                return SamplerOutput(sampled=sampled, logprobs=None)
+            return self._logprobs(raw, sampled, num_logprobs, stats[2])
         logits = apply_bitmask(apply_penalties(logits, t), t)
         sampled = _argmax_rows(logits)  # [S]
         if not t.all_greedy:

@@ -135,6 +135,16 @@ def patch_placeholders(input_ids: torch.Tensor, prev_rows: torch.Tensor,
     return torch.where(prev_rows >= 0, taken, input_ids)
 
 
+def patch_placeholders_(input_ids: torch.Tensor, prev_rows: torch.Tensor,
+                        prev_sampled: torch.Tensor) -> torch.Tensor:
+    """``patch_placeholders`` written into ``input_ids`` (one Triton launch on CUDA)."""
+    if input_ids.is_cuda:
+        from cvllm.kernels.transfer import patch_ids_
+
+        return patch_ids_(input_ids, prev_rows, prev_sampled)
+    return input_ids.copy_(patch_placeholders(input_ids, prev_rows, prev_sampled))
+
+
 class DecodeBuffers:
     """Static device inputs of a padded decode step, rows ``0..max_bs-1``, and the host
     staging they are copied from (pinned on CUDA: two host-to-device copies a step)."""
@@ -276,8 +286,7 @@ class CudaGraphRunner:
         self.buffers.load(step, bs)
         if prev_sampled is not None:
             b = self.buffers
-            b.input_ids[:bs].copy_(patch_placeholders(b.input_ids[:bs], b.prev_rows[:bs],
-                                                      prev_sampled))
+            patch_placeholders_(b.input_ids[:bs], b.prev_rows[:bs], prev_sampled)
         graph = self.graphs.get(bs)
         if graph is None:
             return self._forward(bs)

@@ -45,7 +45,7 @@ from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.distributed import custom_allreduce
 from cvllm.kernels import pdl
 from cvllm.layers.attention import Attention, split_at_attention
-from cvllm.worker.cuda_graph import capture_agreed, is_pure_decode, patch_placeholders
+from cvllm.worker.cuda_graph import capture_agreed, is_pure_decode, patch_placeholders_
 
 logger = logging.getLogger("cvllm.worker")
 
@@ -146,8 +146,7 @@ class MixedGraphRunner:
         patched over the placeholder rows on the device."""
         self._stage(step, T)
         if prev_sampled is not None:
-            self.input_ids[:T].copy_(patch_placeholders(self.input_ids[:T], self.prev_rows[:T],
-                                                        prev_sampled))
+            patch_placeholders_(self.input_ids[:T], self.prev_rows[:T], prev_sampled)
         pieces = self.graphs.get(T)
         if pieces is None:  # not captured (--disable-cuda-graph, or a failed capture)
             return self.model(self.input_ids[:T], self.positions[:T], meta, self.kv_caches)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cvllm.kernels.transfer import to_device
+from tests.interpreted import run_interpreted
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,7 +44,8 @@ def test_copies_do_not_wait_for_queued_work():
             presence_penalty=[0.1] * S, frequency_penalty=[0.0] * S,
             repetition_penalty=[1.1] * S, seeds=[3] * S, output_index=[0] * S,
             prompt_token_ids=[[1, 2]] * S, output_token_ids=[[3]] * S, vocab_size=1000,
-            device="cuda", mask_rows=np.arange(S), bitmask=np.full((S, 32), -1, dtype=np.int32))
+            device="cuda", mask_rows=np.arange(S),
+            bitmask=np.full((S, 32), -1, dtype=np.int32)).temperature  # (copied when read)
         AttentionMetadata.build(slot_mapping=np.arange(S), query_start_loc=np.arange(S + 1),
                                 seq_lens=np.full(S, 5), block_tables=np.zeros((S, 1)),
                                 device=torch.device("cuda"))
@@ -57,3 +59,29 @@ def test_copies_do_not_wait_for_queued_work():
     torch.cuda.synchronize()
     assert host_s < 0.05, f"the copies waited {host_s:.3f} s for the device"
     assert x[-1].item() == 4095
+
+
+def check_patch_ids(device="cpu"):
+    """``patch_ids_`` against the torch form: placeholders anywhere, rows taken out of
+    order and twice, more rows than one program covers."""
+    from cvllm.kernels.transfer import patch_ids_
+    from cvllm.worker.cuda_graph import patch_placeholders
+
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 7, 2500):
+        ids = torch.randint(0, 50000, (T,), generator=g)
+        rows = torch.randint(-1, 9, (T,), generator=g)
+        prev = torch.randint(0, 50000, (9,), generator=g)
+        want = patch_placeholders(ids, rows, prev)
+        got = patch_ids_(ids.to(device), rows.to(device), prev.to(device))
+        assert torch.equal(got.cpu(), want)
+
+
+def test_patch_ids_interpreted_on_cpu():
+    run_interpreted("from tests.kernels.test_transfer import check_patch_ids; check_patch_ids()")
+
+
+@pytest.mark.gpu
+@cuda
+def test_patch_ids_cuda():
+    check_patch_ids("cuda")
