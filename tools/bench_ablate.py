@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""What each kernel of a batch-1 decode step costs inside the CUDA graph: the step's graph
+recaptured with one kind of kernel left out (or planned another way), replayed back to back.
+
+    PYTHONPATH=. python tools/bench_ablate.py --isq q4k --out ablate.json
+
+The engine decodes one random prompt of ``--prompt-len`` tokens into steady state (8B
+Llama shape, dummy weights, the bench's ``max_model_len``), then every variant patches the
+named launcher, captures a fresh batch-1 graph from the same staged inputs and times its
+replays (CUDA events). A left-out kernel's outputs are wrong, so only the times mean
+anything: ``base - variant`` is what that kernel adds to the step, its launch gap and its
+share of the PDL overlap included. A diagnostic for choosing fusions, not a benchmark of
+the product (that is ``tools/bench.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+from unittest import mock
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+
+import bench_model as bm  # noqa: E402
+from bench_step import steady_decode  # noqa: E402
+
+
+def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """Name -> a context manager that patches the launchers for that variant."""
+    import triton
+
+    from cvllm.attention.backends import triton_backend as tb
+    from cvllm.kernels import paged_attention as pa
+    from cvllm.kernels import rmsnorm
+    from cvllm.kernels.quant import ggml_cuda
+
+    model = engine.runner.model
+
+    def norm_off(x, weight, eps, residual=None, *a, **k):
+        return x if residual is None else (x, residual)
+
+    def q8_off(x2, k, act=0, wps=4):
+        import torch
+
+        return (torch.empty(2, k // 8, dtype=torch.int32, device=x2.device),
+                torch.empty(2, k // 32, dtype=torch.float32, device=x2.device))
+
+    def attn_off(q, *a, out=None, **k):
+        return out
+
+    def direct_plan(q, k_cache, block_g, span, num_splits, block_n):
+        return _orig_plan(q, k_cache, block_g, span, 1, block_n)
+
+    def logits_off(hidden):
+        import torch
+
+        return torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
+
+    _orig_plan = pa._decode_plan
+    p = mock.patch.object
+    single = {
+        "no_norm": lambda: p(rmsnorm, "rms_norm", norm_off),
+        "no_rotary_kv": lambda: p(tb, "rotary_write_kv", lambda *a, **k: None),
+        "no_attention": lambda: p(pa, "decode_attention", attn_off),
+        "no_merge": lambda: p(pa, "merge_attention_partials", lambda a, b, out: out),
+        "fused_merge": lambda: p(pa, "FUSED_MERGE", True),
+        "one_split": lambda: p(pa, "_decode_plan", direct_plan),
+        "no_q8": lambda: p(ggml_cuda, "quantize_q8", q8_off),
+        "no_split_gemv": lambda: p(ggml_cuda, "I8_SPLIT", False),
+        "no_lm_head": lambda: p(model, "compute_logits", logits_off),
+    }
+    del triton
+
+    @contextlib.contextmanager
+    def gemv_only():
+        with single["no_norm"](), single["no_rotary_kv"](), single["no_attention"](), \
+                single["no_q8"](), single["no_lm_head"]():
+            yield
+
+    return {"base": contextlib.nullcontext, **single, "gemv_only": gemv_only}
+
+
+def replay_us(engine, patch, reps: int, rounds: int) -> float:
+    """Median over ``rounds`` of the mean replay time of a batch-1 graph captured under
+    ``patch``."""
+    import torch
+
+    from cvllm.kernels import pdl
+
+    graphs = engine.runner.graphs
+    with torch.inference_mode(), patch():
+        with pdl.graph_launches():
+            graphs._forward(1)  # compiles what the variant launches
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graphs.pool):
+            graphs._forward(1)
+    times = []
+    for _ in range(rounds):
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / reps)
+    del graph
+    return statistics.median(times)
+
+
+def timeline(engine, steps: int) -> Dict[str, Any]:
+    """Where the GPU is idle over ``steps`` engine steps (``torch.profiler``): the union
+    of the device's kernel and copy intervals against the span, the largest idle gaps
+    with the operations on either side, and every operation's count and time a step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and e.time_range.end > e.time_range.start),
+                 key=lambda e: e.time_range.start)
+    if not evs:
+        return {}
+    gaps, busy, end, prev = [], 0.0, evs[0].time_range.start, evs[0].name
+    per_op: Dict[str, List[float]] = {}
+    for e in evs:
+        s0, s1 = e.time_range.start, e.time_range.end
+        per_op.setdefault(e.name[:70], []).append(s1 - s0)
+        if s0 > end:
+            gaps.append((s0 - end, prev[:50], e.name[:50]))
+        busy += max(0.0, s1 - max(s0, end))
+        if s1 > end:
+            end, prev = s1, e.name
+    span = end - evs[0].time_range.start
+    gaps.sort(reverse=True)
+    return {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": (span - busy) / steps,
+            "top_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:25]],
+            "ops": sorted(({"op": k, "per_step": len(v) / steps, "us_per_step": sum(v) / steps}
+                           for k, v in per_op.items()), key=lambda r: -r["us_per_step"])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--isq", default="q4k", help="in-situ quantization ('none': bf16)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2065,
+                    help="sets the graph's decode split plan (bench.py --quick: 2065)")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                    help="also profile this many engine steps: the GPU's idle gaps")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import numpy as np
+    import torch
+
+    from cvllm.engine.llm import LLM
+
+    cfg = bm.build_config(None, False, {})
+    folder = bm.write_model_folder(Path(tempfile.mkdtemp(prefix="cvllm-ablate-")), cfg)
+    opts: Dict[str, Any] = dict(weight_path=str(folder), load_format="dummy", dtype="bf16",
+                                max_model_len=args.max_model_len, max_num_seqs=1)
+    if args.isq != "none":
+        opts["isq"] = args.isq
+    engine = LLM(**opts).engine
+    steady_decode(engine, 1, args.prompt_len, int(cfg["vocab_size"]), np.random.default_rng(0))
+    engine.step()
+    torch.cuda.synchronize()
+    variants = _variants(engine)
+    names: List[str] = args.only.split(",") if args.only else list(variants)
+    rows = []
+    base = None
+    for name in names:
+        us = replay_us(engine, variants[name], args.reps, args.rounds)
+        base = us if name == "base" else base
+        row = {"variant": name, "replay_us": us}
+        if base is not None:
+            row["saved_us"] = base - us
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+           "isq": args.isq, "prompt_len": args.prompt_len,
+           "max_model_len": args.max_model_len, "rows": rows}
+    if args.timeline:
+        out["timeline"] = tl = timeline(engine, args.timeline)
+        print(json.dumps({k: v for k, v in tl.items() if k != "ops"}, indent=1), flush=True)
+        for r in tl.get("ops", [])[:40]:
+            print(f"{r['us_per_step']:8.1f} us {r['per_step']:7.2f}x  {r['op']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
