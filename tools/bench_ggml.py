@@ -191,9 +191,10 @@ def mm_variant_candidates(m: int, n: int, k: int, sb: int = 32, num_sms: int = 1
 def candidates(m: int, int8: bool = False, wps: int = 4, n: int = 0, k: int = 0,
                sb: int = 32, num_sms: int = 132) -> List[tuple]:
     """``(path, config)`` pairs timed by ``--sweep`` at ``m`` rows (``int8``: Q4_0 / Q4_1
-    / Q4_K / Q8_0, which also have the int8 GEMV; ``wps`` 8 for Q8_0, whose K steps are
-    halved to hold as many words). With the weight's shape ``n, k`` (and its sub-block
-    ``sb``), 16 to 128 rows also sweep the tensor-core variants (``mm_variant_candidates``)."""
+    / Q4_K / Q8_0 / Q6_K, which also have the int8 GEMV; ``wps`` 8 for Q8_0 and Q6_K,
+    whose K steps are halved to hold about as many words). With the weight's shape ``n,
+    k`` (and its sub-block ``sb``), 16 to 128 rows also sweep the tensor-core variants
+    (``mm_variant_candidates``)."""
     variants = mm_variant_candidates(m, n, k, sb, num_sms) if n and 16 <= m <= 128 else []
     if m == 1:
         i8 = sorted({(c[0], max(32, c[1] * 4 // wps)) + tuple(c[2:])
@@ -310,7 +311,7 @@ def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
 
     spec = ws[0].spec
     n, k = ws[0].shape
-    cands = candidates(m, gc.takes_int8_gemv(spec), spec.sb * spec.lb // 32, n, k, spec.sb,
+    cands = candidates(m, gc.takes_int8_gemv(spec), gc.i8_plan_wps(spec), n, k, spec.sb,
                        gc._sms(x))
     out = []
     cands = [c for c in cands if (PATHS is None or c[0] in PATHS)

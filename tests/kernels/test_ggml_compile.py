@@ -5,7 +5,8 @@ Python, so it accepts what Triton's compiler refuses: a ``@triton.jit`` function
 return in a constexpr branch and another after it (the compiler types every return
 statement, and stores after such an early return are compiled too). The first Q8_0 build
 of the int8 GEMV passed every interpreted test and failed to compile on 2 x H200. Here
-each variant of ``ggml_gemv_i8_kernel`` and ``ggml_q8_kernel`` is compiled to PTX for
+each variant of ``ggml_gemv_i8_kernel`` (and Q6_K's ``ggml_gemv_i8_q6_kernel``) and
+``ggml_q8_kernel`` is compiled to PTX for
 sm_90 by Triton's own compiler (its bundled ptxas), as the GPU would compile it; so are the
 tiles ``plan_mm`` picks for the tensor-core ``ggml_mm_kernel`` (both products)."""
 
@@ -81,6 +82,21 @@ def test_gemv_i8_compiles_for_sm90(mode, off, wps):
         ptx = compiled.asm["ptx"]
         assert "dp4a" in ptx
         # a split program counts itself with one gpu-scope acq_rel atomic
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1), split
+
+
+def test_gemv_i8_q6_compiles_for_sm90():
+    """Q6_K's int8 GEMV (``ggml_gemv_i8_q6_kernel``), each branch at least once: K whole or
+    masked, a gated row, K split (with a bias)."""
+    pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "lo_ptr": "*i32",
+                "hi_ptr": "*i32", "d_ptr": "*i32", "sc_ptr": "*i8", "ws_ptr": "*fp32",
+                "sem_ptr": "*i32"}
+    for even_k, act, split in ((True, 0, 1), (False, 1, 1), (True, 0, 4), (False, 0, 2)):
+        compiled = _compile(gk.ggml_gemv_i8_q6_kernel, pointers, dict(
+            BN=16, NSUB=64, HAS_BIAS=split == 4, EVEN_K=even_k, PDL=False, WIDE=False,
+            ASM=True, ACT=act, SPLIT=split, STEPS=2))
+        ptx = compiled.asm["ptx"]
+        assert "dp4a" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1), split
 
 

@@ -99,15 +99,16 @@ float32 scaling and integer sums leave only the output's own rounding, which
 ``assert_close_rms`` allows separately; a wrong scale (amax / 128 for / 127) is 8e-3 off."""
 
 
-def _ties(x: torch.Tensor) -> torch.Tensor:
-    """``[M, K]`` bool: elements at exactly half their 32-block's largest |x|."""
-    xf = x.float().reshape(x.shape[0], -1, 32)
+def _ties(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``[M, K]`` bool: elements at exactly half their block's largest |x| (blocks of
+    ``group``: 32, or Q6_K's 16)."""
+    xf = x.float().reshape(x.shape[0], -1, group)
     amax = xf.abs().amax(-1, keepdim=True)
     return ((xf.abs() * 2 == amax) & (amax > 0)).reshape(x.shape)
 
 
-def tie_free(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with no element at exactly half its 32-block's largest |x| (each such one
+def tie_free(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``x`` with no element at exactly half its block's largest |x| (each such one
     moved a step toward zero). There ``x * 127 / amax`` is 63.5 but for the rounding of
     ``127 / amax``, and whether the int8 GEMV rounds it to 63 or 64 depends on whether
     the compiler fused its multiply with the add that rounds (an FMA on the GPU, where
@@ -117,17 +118,18 @@ def tie_free(x: torch.Tensor) -> torch.Tensor:
     L2 2.0-2.3e-3 and one element 5e-3 of the RMS off ``int8_rounded``'s product)."""
     x = x.clone()
     for _ in range(8):
-        ties = _ties(x)
+        ties = _ties(x, group)
         if not ties.any():
             return x
         x[ties] = (x[ties].float() * (1 - 2.0 ** -6)).to(x.dtype)
     raise AssertionError("could not move x off its ties")
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` as ``gemv_i8`` rounds it, float64: per 32 elements
-    ``round(x * (127 / amax)) * amax / 127`` (half to even, float32 products)."""
-    xf = x.float().reshape(x.shape[0], -1, 32)
+def int8_rounded(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``x [M, K]`` as ``gemv_i8`` rounds it, float64: per ``group`` elements (32; Q6_K's
+    16, ``ggml_cuda.i8_group``) ``round(x * (127 / amax)) * amax / 127`` (half to even,
+    float32 products)."""
+    xf = x.float().reshape(x.shape[0], -1, group)
     amax = xf.abs().amax(-1, keepdim=True)
     q = torch.round(xf * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
     return (q.double() * (amax.double() / 127)).reshape(x.shape)
@@ -147,7 +149,8 @@ def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
     gaussian = x is None
     if gaussian:
         x = torch.randn(m, k, generator=g, device=device).to(dtype)
-    x = tie_free(x)
+    group = gc.i8_group(w.spec)
+    x = tie_free(x, group)
     b = (torch.randn(n, generator=g, device=device) * 0.1).to(dtype) if bias else None
     y = gc.linear(x, w, b, path=path, config=config)
     want = x.double() @ want_w.double().T + (b.double() if bias else 0)
@@ -155,7 +158,7 @@ def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
     if (path or gc.choose_path(m, w.spec)) == "gemv_i8":
         # The interpreter truncates where it rounds to bf16 (up to an ulp, one-sided).
         tol = 1e-2 if device == "cpu" and dtype == torch.bfloat16 else I8_TOL
-        want_i8 = int8_rounded(x) @ want_w.double().T + (b.double() if bias else 0)
+        want_i8 = int8_rounded(x, group) @ want_w.double().T + (b.double() if bias else 0)
         assert_close_rms(y, want_i8, tol)
         # x rounded by its own kernel first, or by each GEMV program: the same rounding
         other = gc.linear(x, w, b, path=path, config=config, prequant=True)
@@ -179,18 +182,19 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
     from cvllm.kernels.reference import act_and_mul_ref
 
     k = w.shape[1]
+    group = gc.i8_group(w.spec)
     for act in ("silu", "gelu_tanh"):
         gate_up = (torch.randn(1, 2 * k, device=device) * 2).to(dtype)
         x = act_and_mul_ref(gate_up, act)  # [1, K] in dtype
         for _ in range(8):  # the kernel computes x itself: move its up values off the ties
-            ties = _ties(x)
+            ties = _ties(x, group)
             if not ties.any():
                 break
             up = gate_up[:, k:]
             up[ties] = (up[ties].float() * (1 - 2.0 ** -6)).to(dtype)
             x = act_and_mul_ref(gate_up, act)
-        assert not _ties(x).any()
-        want = int8_rounded(x) @ want_w.double().T
+        assert not _ties(x, group).any()
+        want = int8_rounded(x, group) @ want_w.double().T
         for cfg in configs:
             for prequant in (False, True):
                 assert_close_rms(gc.linear(gate_up, w, act=act, config=cfg, prequant=prequant),
@@ -342,7 +346,7 @@ def test_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match="one row of Q4_0"):
         gc.linear(x, w, path="gemv_i8")
     with pytest.raises(ValueError, match="one row of Q4_0"):
-        gc.linear(x[:1], gc.prepare(random_raw(GgmlType.Q6_K, 8, 256), GgmlType.Q6_K),
+        gc.linear(x[:1], gc.prepare(random_raw(GgmlType.Q5_K, 8, 256), GgmlType.Q5_K),
                   path="gemv_i8")
     gate_up = torch.randn(2, 512).half()
     with pytest.raises(ValueError, match="gated input needs one row"):
@@ -454,11 +458,19 @@ def test_plans_cover_the_sms_and_split_small_grids():
     assert plan_mm(128, 4096, 4096, q4k, 132, wgmma=False)[:7] == (128, 64, 128, 4, 3, 8, 4)
     assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
         "dense"]
-    # The int8 GEMV: one row of the plain 4-bit types and Q8_0 only, unless turned off.
+    # The int8 GEMV: one row of the plain 4-bit types, Q8_0 and Q6_K, unless turned off.
     assert [choose_path(1, SPECS[t]) for t in (GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K,
-                                               GgmlType.Q8_0, GgmlType.Q5_K, GgmlType.Q6_K,
-                                               GgmlType.IQ4_NL)] == ["gemv_i8"] * 4 + ["gemv"] * 3
+                                               GgmlType.Q8_0, GgmlType.Q6_K, GgmlType.Q5_K,
+                                               GgmlType.IQ4_NL)] == ["gemv_i8"] * 5 + ["gemv"] * 2
     assert choose_path(2, q4k) == "gemv"
+    # Q6_K keeps the float GEMV where its int8 plan would split K in four (the 8B down
+    # projection: 41.9 against 23.3 us on an H200), the int8 one elsewhere.
+    q6k = SPECS[GgmlType.Q6_K]
+    assert choose_path(1, q6k, shape=(4096, 14336), num_sms=132) == "gemv"
+    assert [choose_path(1, q6k, shape=s, num_sms=132) for s in (
+        (28672, 4096), (128256, 4096), (4096, 4096), (6144, 4096))] == ["gemv_i8"] * 4
+    assert choose_path(1, q4k, shape=(4096, 14336), num_sms=132) == "gemv_i8"
+    assert choose_path(1, q6k, exact=True, shape=(128256, 4096), num_sms=132) == "gemv"
     from cvllm.kernels.quant import ggml_cuda as gc
 
     try:

@@ -13,9 +13,10 @@ as int32 words in a sub-block field-major order, fp16 block scales, unpacked sub
 scales), within 1.05x of the GGUF bytes. ``linear`` picks one of four paths by the
 number of rows M and the type (``choose_path``):
 
-- ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K / Q8_0): the activations rounded to int8 per 32
-  elements, the products summed by ``dp4a`` (``ggml_kernels.ggml_gemv_i8_kernel``): the
-  float path spends about 6.4 instructions an element and is bound by its issue slots,
+- ``gemv_i8`` (M = 1, Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K): the activations rounded to int8
+  per 32 elements (Q6_K: per 16, its scales' granularity), the products summed by
+  ``dp4a`` (``ggml_kernels.ggml_gemv_i8_kernel``, ``ggml_gemv_i8_q6_kernel``): the float
+  path spends about 6.4 instructions an element of Q4_K and is bound by its issue slots,
   this one 2.7; ``CVLLM_GGML_INT8_GEMV=0`` turns it off. It also takes a gate_up row and
   applies the gated activation on load (``linear(.., act=)``, ``CudaBackend.linear_gated``:
   the MLP's down projection in one kernel). Where row blocks alone leave the SMs short
@@ -85,8 +86,9 @@ MAX_K = 1 << 20
 SEM_ROWS = 4
 """Fewest rows a program of the split-K int8 GEMV takes (``CudaGgmlWeight.sem``)."""
 INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
-"""Batch-1 products of Q4_0 / Q4_1 / Q4_K / Q8_0 round the activations to int8 (``gemv_i8``);
-``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read once."""
+"""Batch-1 products of Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K round the activations to int8
+(``gemv_i8``); ``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read
+once."""
 I8_SPLIT = os.environ.get("CVLLM_GGML_I8_SPLIT", "1").strip() != "0"
 """The int8 GEMV may split K over several programs where its row blocks alone leave the
 SMs short of work (``plan_gemv_i8``); ``CVLLM_GGML_I8_SPLIT=0``: never."""
@@ -382,10 +384,29 @@ def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, con
 
 
 def takes_int8_gemv(spec: PackSpec) -> bool:
-    """The types ``ggml_gemv_i8_kernel`` takes: 4-bit quants in 32-element sub-blocks, no
-    high bits, no value table (Q4_0, Q4_1, Q4_K), and Q8_0 (a byte an element)."""
-    return spec.lb in (4, 8) and spec.hb == 0 and not spec.lut and spec.sb == 32 \
-        and spec.mode in (0, 1, 3)
+    """The types of the int8 GEMV: ``ggml_gemv_i8_kernel``'s 4-bit quants in 32-element
+    sub-blocks, no high bits, no value table (Q4_0, Q4_1, Q4_K), and Q8_0 (a byte an
+    element); ``ggml_gemv_i8_q6_kernel``'s Q6_K."""
+    return (spec.lb in (4, 8) and spec.hb == 0 and not spec.lut and spec.sb == 32
+            and spec.mode in (0, 1, 3)) or _is_q6k(spec)
+
+
+def _is_q6k(spec: PackSpec) -> bool:
+    """Q6_K's layout: 16-element sub-blocks of 4 low and 2 high bits, ``d * sc``."""
+    return spec.sb == 16 and spec.lb == 4 and spec.hb == 2 and spec.mode == 2 \
+        and not spec.lut
+
+
+def i8_plan_wps(spec: PackSpec) -> int:
+    """The ``wps`` the int8 GEMV's tile plans take for this type: 8 (half the 4-bit K
+    step) for Q8_0 and Q6_K, 4 for the 4-bit types."""
+    return 8 if _is_q6k(spec) else _wps(spec)
+
+
+def i8_group(spec: PackSpec) -> int:
+    """Elements of x that the int8 GEMV rounds with one absmax step: Q6_K's 16 (its
+    scales' granularity), else 32."""
+    return 16 if _is_q6k(spec) else 32
 
 
 def _wps(spec: PackSpec) -> int:
@@ -473,9 +494,32 @@ def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
     return words, steps
 
 
+def _launch_gemv_i8_q6(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
+                       config, act: int) -> None:
+    """Q6_K's int8 GEMV (``ggml_gemv_i8_q6_kernel``): x always rounded by each program (per
+    16 elements, a granularity ``ggml_q8_kernel`` does not make); tiles as planned for
+    Q8_0 (half the 4-bit K step: a 16-element sub-block's 2.5 words and scale), or as
+    given (a prefetch flag is taken and ignored)."""
+    n, k = w.shape
+    bn, bk, warps, _prefetch, split, steps = i8_config(config, n, k, _sms(x2), False,
+                                                       i8_plan_wps(w.spec))
+    if bk % 16:
+        raise ValueError(f"a Q6_K int8 GEMV step must be a multiple of 16 elements; got {bk}")
+    (lo, hi, d, _dm, sc), (s_lo, s_sub, s_d) = w.args
+    ws = torch.empty(split, n, dtype=torch.float32, device=y.device) if split > 1 else y
+    gk.ggml_gemv_i8_q6_kernel[(triton.cdiv(n, bn) * split,)](
+        x2, y, bias if bias is not None else y, lo, hi, d, sc, ws, w.sem, n, k, s_lo, s_sub,
+        s_d, BN=bn, NSUB=bk // 16, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        PDL=pdl.enabled(x2), WIDE=n * s_lo >= 1 << 31, ASM=not _INTERPRETED, ACT=act,
+        SPLIT=split, STEPS=steps, num_warps=warps, **pdl.launch_args(x2))
+
+
 def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
                     config, act: int = 0, prequant: Optional[bool] = None) -> None:
     n, k = w.shape
+    if _is_q6k(w.spec):
+        _launch_gemv_i8_q6(x2, w, bias, y, config, act)
+        return
     prequant = _prequant(act) if prequant is None else prequant
     wps = _wps(w.spec)
     bn, bk, warps, prefetch, split, steps = i8_config(config, n, k, _sms(x2), prequant, wps)
@@ -577,22 +621,35 @@ def _launch_mm(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, confi
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
-def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False) -> str:
+def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False,
+                shape: Optional[Tuple[int, int]] = None, num_sms: int = 132) -> str:
     """``"gemv_i8"``, ``"gemv"``, ``"mm"`` or ``"dense"`` for ``m`` input rows of a weight
     of layout ``spec`` (``exact``: activations kept as they are; see the module
-    docstring)."""
+    docstring) and, when known, ``shape`` ``(N, K)`` on a GPU of ``num_sms`` SMs: a Q6_K
+    weight whose int8 plan splits K more than in two keeps the float GEMV
+    (``q6k_takes_int8``)."""
     if m == 1 and spec is not None and INT8_GEMV and not exact and takes_int8_gemv(spec):
-        return "gemv_i8"
+        if shape is None or not _is_q6k(spec) or q6k_takes_int8(*shape, num_sms):
+            return "gemv_i8"
     if m <= GEMV_MAX_M:
         return "gemv"
     return "mm" if m < DENSE_MIN_M else "dense"
+
+
+def q6k_takes_int8(n: int, k: int, num_sms: int) -> bool:
+    """Whether a Q6_K ``[n, k]`` weight takes the int8 GEMV at one row: where its plan
+    splits K in two at most. H200, the 8B shapes at Q6_K (``ggml-q6k-{i8,float}-h200.json``):
+    gate_up 32.5 against 44.8 us on the float GEMV, the LM head's shape 128 against 179,
+    o_proj 7.1 against 7.7, qkv 11.3 both; the down projection (K = 14336, split in four)
+    41.9 against 23.3."""
+    return plan_gemv_i8(n, k, num_sms, False, 8)[4] <= 2
 
 
 def gated_fusable(x: torch.Tensor, w: CudaGgmlWeight) -> bool:
     """Whether ``linear(x, w, act=...)`` applies a gated activation itself for this
     ``[.., 2K]`` input: one row on the ``gemv_i8`` path."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return rows == 1 and choose_path(1, w.spec, w.exact) == "gemv_i8"
+    return rows == 1 and choose_path(1, w.spec, w.exact, w.shape, _sms(x)) == "gemv_i8"
 
 
 def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = None, *,
@@ -624,11 +681,11 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     if m and n:
         if bias is not None and bias.stride(0) != 1:
             bias = bias.contiguous()
-        path = path or choose_path(m, w.spec, w.exact)
+        path = path or choose_path(m, w.spec, w.exact, w.shape, _sms(x))
         if path == "gemv_i8":
             if m != 1 or not takes_int8_gemv(w.spec):
-                raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K / Q8_0; "
-                                 f"got {m} rows of {w.ggml_type.name}")
+                raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K / "
+                                 f"Q8_0 / Q6_K; got {m} rows of {w.ggml_type.name}")
             _launch_gemv_i8(x2, w, bias, y, config, act_code, prequant)
         elif path == "gemv":
             if m > 16:

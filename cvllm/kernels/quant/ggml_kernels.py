@@ -13,6 +13,8 @@ the tile decoding they share is ``ggml_tiles.py``. Weight fields are the layout 
 - ``ggml_gemv_i8_kernel``: one input row of the plain 4-bit types (Q4_0, Q4_1, Q4_K) and
   Q8_0, the activations rounded to int8 per sub-block and summed with ``dp4a`` (the
   batch-1 decode path: the float GEMV is bound by its instruction issue on these types).
+- ``ggml_gemv_i8_q6_kernel``: the same for Q6_K (16-element sub-blocks, two high bits an
+  element spread into each byte before its ``dp4a``), x rounded per 16 elements.
 - ``ggml_mm_kernel``: a ``[BM, BN]`` output tile a program; each weight tile is decoded
   in registers to x's dtype and fed to ``tl.dot`` (tensor cores), float32 accumulator.
 - ``ggml_dequant_kernel``: rows of the weight (all, or those named by token ids) into a
@@ -609,3 +611,140 @@ def _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, run, N,
             y += tl.load(b_ptr + rows).to(tl.float32)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
         tl.atomic_xchg(sem_ptr + blk, 0, sem="relaxed", scope="gpu")
+
+
+# ----- Q6_K at one row: 16-element sub-blocks with two high bits -------------------------
+
+
+@triton.jit
+def _q8_runs16(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+               ASM: tl.constexpr):
+    """``_q8_runs4`` for Q6_K's words (two a 16-element sub-block: field ``F`` of word ``w``
+    is element ``2 F + w``), rounded per 16 elements, the granularity of Q6_K's scales:
+    ``xe, xd [NSUB * 2]`` (the even and the odd fields' bytes), ``dx, sx [NSUB]``."""
+    j = tl.arange(0, NSUB * 2)
+    offs = (j // 2) * 16 + j % 2  # [NSUB * 2]: field 0's element of each word
+    x0 = load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT)
+    x1 = load_act_x(x_ptr, k0, offs + 2, K, EVEN_K, ACT)
+    x2 = load_act_x(x_ptr, k0, offs + 4, K, EVEN_K, ACT)
+    x3 = load_act_x(x_ptr, k0, offs + 6, K, EVEN_K, ACT)
+    x4 = load_act_x(x_ptr, k0, offs + 8, K, EVEN_K, ACT)
+    x5 = load_act_x(x_ptr, k0, offs + 10, K, EVEN_K, ACT)
+    x6 = load_act_x(x_ptr, k0, offs + 12, K, EVEN_K, ACT)
+    x7 = load_act_x(x_ptr, k0, offs + 14, K, EVEN_K, ACT)
+    a = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                              tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                              tl.maximum(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(tl.reshape(a, (NSUB, 2)), axis=1)  # [NSUB]
+    inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)
+    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 2)), (NSUB * 2,))
+    xe = _q8_byte(x0, inv, 0) | _q8_byte(x2, inv, 8) | _q8_byte(x4, inv, 16) \
+        | _q8_byte(x6, inv, 24)
+    xd = _q8_byte(x1, inv, 0) | _q8_byte(x3, inv, 8) | _q8_byte(x5, inv, 16) \
+        | _q8_byte(x7, inv, 24)
+    ones = tl.full(xe.shape, 0x01010101, tl.int32)
+    xq = _dp4a(ones, xd, _dp4a(ones, xe, tl.zeros(xe.shape, tl.int32), ASM), ASM)
+    xsum = tl.sum(tl.reshape(xq, (NSUB, 2)), axis=1)  # [NSUB]
+    dx = amax * (1.0 / 127.0)
+    return xe, xd, dx, xsum.to(tl.float32) * dx
+
+
+@triton.jit
+def _bytes_of_nibbles(t):
+    """The four nibbles of ``t``'s low 16 bits, one to a byte (nibble ``i`` -> byte ``i``)."""
+    u = (t & 0xFF) | ((t & 0xFF00) << 8)
+    return (u & 0x000F000F) | ((u & 0x00F000F0) << 4)
+
+
+@triton.jit
+def _q6_load(lo_ptr, hi_ptr, d_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s_d,
+             NSUB: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of ``ggml_gemv_i8_q6_kernel``: the low words ``[BN, NSUB * 2]``, the
+    high-bit words ``[BN, NSUB]`` (``ggml_pack``: word ``w``'s field ``f`` at bits
+    ``2 (8 w + f)``) and each sub-block's step ``s = d * sc [BN, NSUB]``."""
+    sub = k0 // 16 + tl.arange(0, NSUB)  # [NSUB]
+    j = k0 // 8 + tl.arange(0, NSUB * 2)  # [NSUB * 2] word index along the row
+    r2 = rows[:, None]
+    lo_offs = r2 * s_lo + j[None, :]
+    sub_offs = r2 * s_sub + sub[None, :]
+    d_offs = r2 * s_d + (sub // 16)[None, :]  # 16 sub-blocks a 256-element block
+    if EVEN_K:
+        lo = tl.load(lo_ptr + lo_offs, eviction_policy="evict_first")
+        hi = tl.load(hi_ptr + sub_offs, eviction_policy="evict_first")
+        sc = tl.load(sc_ptr + sub_offs, eviction_policy="evict_first")
+        dd = tl.load(d_ptr + d_offs)
+    else:
+        kmask = (sub < K // 16)[None, :]
+        lo = tl.load(lo_ptr + lo_offs, mask=(j < K // 8)[None, :], other=0,
+                     eviction_policy="evict_first")
+        hi = tl.load(hi_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
+        sc = tl.load(sc_ptr + sub_offs, mask=kmask, other=0, eviction_policy="evict_first")
+        dd = tl.load(d_ptr + d_offs, mask=kmask, other=0)
+    d, _dm = unpack_dd(dd)
+    return lo, hi, d.to(tl.float32) * sc.to(tl.float32)
+
+
+@triton.jit
+def _q6_step(lo, hi, s, x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+             ASM: tl.constexpr, ACT: tl.constexpr):
+    """``[BN, NSUB]``: each sub-block's ``s * (sum(q x) - 32 sum(x))`` with x in int8 per
+    16 elements: a word's unsigned 6-bit quants are its low nibbles with their two high
+    bits spread in (the even fields' bytes, then the odd ones'), two dp4a a word."""
+    BN: tl.constexpr = lo.shape[0]
+    xe, xd, dx, sx = _q8_runs16(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM)
+    hw = tl.reshape(tl.broadcast_to(hi[:, :, None], (BN, NSUB, 2)), (BN, NSUB * 2))
+    hw = (hw >> (16 * (tl.arange(0, NSUB * 2) % 2))[None, :]) & 0xFFFF  # word w's 16 bits
+    qe = (lo & 0x0F0F0F0F) | (_bytes_of_nibbles(hw & 0x3333) << 4)
+    qo = ((lo >> 4) & 0x0F0F0F0F) | (_bytes_of_nibbles((hw >> 2) & 0x3333) << 4)
+    acc = _dp4a(qe, xe[None, :], tl.zeros(lo.shape, dtype=tl.int32), ASM)
+    acc = _dp4a(qo, xd[None, :], acc, ASM)
+    isum = tl.sum(tl.reshape(acc, (BN, NSUB, 2)), axis=2)  # [BN, NSUB]
+    return s * (isum.to(tl.float32) * dx[None, :] - 32.0 * sx[None, :])
+
+
+@triton.jit
+def ggml_gemv_i8_q6_kernel(
+    x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, ws_ptr, sem_ptr,
+    N, K, s_lo, s_sub, s_d,
+    BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
+    SPLIT: tl.constexpr, STEPS: tl.constexpr,
+):
+    """``ggml_gemv_i8_kernel`` for Q6_K (16-element sub-blocks, 4 low and 2 high bits an
+    element, an int8 scale each): one input row, x rounded to int8 per 16 elements by
+    each program (``ACT``: a gate_up row, the gated activation applied on load), the
+    products summed by ``dp4a`` (``_q6_step``); ``NSUB`` sub-blocks a K step, K split
+    over ``SPLIT`` programs as there (``_i8_split_out``)."""
+    BK: tl.constexpr = NSUB * 16
+    pid = tl.program_id(0)
+    if SPLIT > 1:
+        blk = pid // SPLIT
+        k_lo = (pid % SPLIT) * (STEPS * BK)
+        k_hi = tl.minimum(K, k_lo + STEPS * BK)
+    else:
+        blk = pid
+        k_lo = 0
+        k_hi = K
+    offs_n = blk * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
+    if WIDE:
+        rows = rows.to(tl.int64)
+    lo, hi, s = _q6_load(lo_ptr, hi_ptr, d_ptr, sc_ptr, rows, k_lo, K, s_lo, s_sub, s_d,
+                         NSUB, EVEN_K)
+    if PDL:
+        gdc_wait()  # x (and y's memory) belong to earlier kernels from here on
+        gdc_launch_dependents()
+    acc = _q6_step(lo, hi, s, x_ptr, k_lo, K, NSUB, EVEN_K, ASM, ACT)
+    for k0 in range(k_lo + BK, k_hi, BK):
+        lo, hi, s = _q6_load(lo_ptr, hi_ptr, d_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s_d,
+                             NSUB, EVEN_K)
+        acc += _q6_step(lo, hi, s, x_ptr, k0, K, NSUB, EVEN_K, ASM, ACT)
+    y = tl.sum(acc, axis=1)  # [BN]
+    if SPLIT > 1:
+        _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, pid % SPLIT, N,
+                      SPLIT, HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
