@@ -49,8 +49,8 @@ def patch_ids_(input_ids: torch.Tensor, prev_rows: torch.Tensor,
     below ``prev_sampled``'s length): one launch where the torch form
     (``worker/cuda_graph.patch_placeholders`` and a copy back) takes four."""
     T = input_ids.shape[0]
-    if prev_rows.shape != input_ids.shape or not (input_ids.is_contiguous()
-                                                   and prev_rows.is_contiguous()):
+    contiguous = input_ids.is_contiguous() and prev_rows.is_contiguous()
+    if prev_rows.shape != input_ids.shape or not contiguous:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and prev_rows "
                          f"{tuple(prev_rows.shape)} must match, both contiguous")
     prev_sampled = prev_sampled.contiguous()
