@@ -34,8 +34,6 @@ from bench_step import steady_decode  # noqa: E402
 
 def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """Name -> a context manager that patches the launchers for that variant."""
-    import triton
-
     from cvllm.attention.backends import triton_backend as tb
     from cvllm.kernels import paged_attention as pa
     from cvllm.kernels import rmsnorm
@@ -76,7 +74,6 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
         "no_split_gemv": lambda: p(ggml_cuda, "I8_SPLIT", False),
         "no_lm_head": lambda: p(model, "compute_logits", logits_off),
     }
-    del triton
 
     @contextlib.contextmanager
     def gemv_only():

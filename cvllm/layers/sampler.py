@@ -37,6 +37,15 @@ _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
+def _device_row(table: int, row: Optional[int], doc: str) -> property:
+    """A per-row value of ``SamplingTensors``: row ``row`` of its device table ``table``
+    (``_device_values``; None: the whole table), copied to the device when first read."""
+    def get(self) -> torch.Tensor:
+        values = self._device_values()[table]
+        return values if row is None else values[row]
+    return property(get, doc=doc)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling values of one step, on the logits' device (rank 0). The per-row
@@ -85,37 +94,14 @@ class SamplingTensors:
             self._values = (floats, ints, ints[1].bool())
         return self._values
 
-    @property
-    def temperature(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][0]
-
-    @property
-    def top_p(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][1]
-
-    @property
-    def min_p(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][2]
-
-    @property
-    def presence_penalty(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][3]
-
-    @property
-    def frequency_penalty(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][4]
-
-    @property
-    def repetition_penalty(self) -> torch.Tensor:  # [S] float32
-        return self._device_values()[0][5]
-
-    @property
-    def top_k(self) -> torch.Tensor:  # [S] int64
-        return self._device_values()[1][0]
-
-    @property
-    def is_greedy(self) -> torch.Tensor:  # [S] bool
-        return self._device_values()[2]
+    temperature = _device_row(0, 0, "[S] float32; greedy rows hold 1.0 (they never divide)")
+    top_p = _device_row(0, 1, "[S] float32")
+    min_p = _device_row(0, 2, "[S] float32")
+    presence_penalty = _device_row(0, 3, "[S] float32")
+    frequency_penalty = _device_row(0, 4, "[S] float32")
+    repetition_penalty = _device_row(0, 5, "[S] float32")
+    top_k = _device_row(1, 0, "[S] int64; V where disabled")
+    is_greedy = _device_row(2, None, "[S] bool")
 
     @property
     def num_rows(self) -> int:
