@@ -149,7 +149,37 @@ def timeline(engine, steps: int) -> Dict[str, Any]:
             "idle_us_per_step": (span - busy) / steps,
             "top_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:25]],
             "ops": sorted(({"op": k, "per_step": len(v) / steps, "us_per_step": sum(v) / steps}
-                           for k, v in per_op.items()), key=lambda r: -r["us_per_step"])}
+                           for k, v in per_op.items()), key=lambda r: -r["us_per_step"]),
+            "critical": critical_path(evs, steps)}
+
+
+def critical_path(evs, steps: int) -> List[Dict[str, Any]]:
+    """Each operation's share of the step by end times: operations in order of their ends,
+    each charged with how far it moved the latest end. Under PDL a kernel starts before
+    its predecessor ends, so start-based busy time charges the wrong one; the end-time
+    increments add up to the span. An operation is named with the three before it
+    (``q8 > gemv > norm > gemv``), which tells the four projections of a layer apart."""
+    order = sorted(evs, key=lambda e: e.time_range.end)
+    short = [_short(e.name) for e in order]
+    per: Dict[str, List[float]] = {}
+    last = order[0].time_range.start
+    for i, e in enumerate(order):
+        inc = max(0.0, e.time_range.end - last)
+        last = max(last, e.time_range.end)
+        key = " > ".join(short[max(0, i - 3):i + 1])
+        per.setdefault(key, []).append(inc)
+    rows = [{"ops": k, "per_step": len(v) / steps, "us_per_step": sum(v) / steps,
+             "us_each": sum(v) / len(v)} for k, v in per.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:40]
+
+
+def _short(name: str) -> str:
+    for key, label in (("gemv_i8", "gemv"), ("ggml_gemv", "fgemv"), ("rms_norm", "norm"),
+                       ("q8_kernel", "q8"), ("decode_kernel", "attn"), ("rotary", "rope"),
+                       ("Memcpy", "copy")):
+        if key in name:
+            return label
+    return name.split("<")[0].strip("_ ")[:24]
 
 
 def main() -> int:
@@ -197,9 +227,14 @@ def main() -> int:
            "max_model_len": args.max_model_len, "rows": rows}
     if args.timeline:
         out["timeline"] = tl = timeline(engine, args.timeline)
-        print(json.dumps({k: v for k, v in tl.items() if k != "ops"}, indent=1), flush=True)
+        print(json.dumps({k: v for k, v in tl.items() if k not in ("ops", "critical")},
+                         indent=1), flush=True)
         for r in tl.get("ops", [])[:40]:
             print(f"{r['us_per_step']:8.1f} us {r['per_step']:7.2f}x  {r['op']}")
+        print("critical path (end-time increments):")
+        for r in tl.get("critical", []):
+            print(f"{r['us_per_step']:8.1f} us {r['per_step']:7.2f}x {r['us_each']:7.2f} each"
+                  f"  {r['ops']}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
