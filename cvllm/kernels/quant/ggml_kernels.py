@@ -549,19 +549,7 @@ def ggml_gemv_i8_kernel(
     order (the same bits whatever the arrival order), writes ``y`` and sets the count
     back to zero for the next call. Calls on one ``sem`` must be stream-ordered."""
     BK: tl.constexpr = NSUB * 32
-    pid = tl.program_id(0)
-    if SPLIT > 1:
-        blk = pid // SPLIT
-        k_lo = (pid % SPLIT) * (STEPS * BK)
-        k_hi = tl.minimum(K, k_lo + STEPS * BK)
-    else:
-        blk = pid
-        k_lo = 0
-        k_hi = K
-    offs_n = blk * BN + tl.arange(0, BN)
-    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
-    if WIDE:
-        rows = rows.to(tl.int64)
+    blk, k_lo, k_hi, offs_n, rows = _i8_program(N, K, BN, BK, SPLIT, STEPS, WIDE)
     lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k_lo, K, s_lo, s_sub, s_d,
                         SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
     if PDL:
@@ -583,10 +571,42 @@ def ggml_gemv_i8_kernel(
             lo, s, m = _i8_load(lo_ptr, d_ptr, dm_ptr, sc_ptr, rows, k0, K, s_lo,
                                 s_sub, s_d, SUPER, MODE, OFF, NSUB, EVEN_K, WPS)
             acc += _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, XQ, WPS)
-    y = tl.sum(acc, axis=1)  # [BN]
+    _i8_out(tl.sum(acc, axis=1), ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, N, SPLIT,
+            HAS_BIAS)
+
+
+@triton.jit
+def _i8_program(N, K, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                STEPS: tl.constexpr, WIDE: tl.constexpr):
+    """This program's share of an int8 GEMV (``ggml_gemv_i8_kernel``,
+    ``ggml_gemv_i8_q6_kernel``): row block ``blk`` and K run ``[k_lo, k_hi)`` (program
+    ``pid``: block ``pid // SPLIT``, run ``pid % SPLIT`` of ``STEPS`` steps of ``BK``), its
+    rows ``offs_n`` and the rows it reads (``rows``: the tail re-reads row ``N - 1``; 64-bit
+    with ``WIDE``)."""
+    pid = tl.program_id(0)
     if SPLIT > 1:
-        _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, pid % SPLIT, N,
-                      SPLIT, HAS_BIAS)
+        blk = pid // SPLIT
+        k_lo = (pid % SPLIT) * (STEPS * BK)
+        k_hi = tl.minimum(K, k_lo + STEPS * BK)
+    else:
+        blk = pid
+        k_lo = 0
+        k_hi = K
+    offs_n = blk * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1)
+    if WIDE:
+        rows = rows.to(tl.int64)
+    return blk, k_lo, k_hi, offs_n, rows
+
+
+@triton.jit
+def _i8_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, N, SPLIT: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """A row block's sums ``y [BN]`` out: into ``y`` (plus the bias), or with ``SPLIT`` > 1
+    as run ``pid % SPLIT``'s partials (``_i8_split_out``)."""
+    if SPLIT > 1:
+        _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk,
+                      tl.program_id(0) % SPLIT, N, SPLIT, HAS_BIAS)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows).to(tl.float32)
@@ -717,19 +737,7 @@ def ggml_gemv_i8_q6_kernel(
     products summed by ``dp4a`` (``_q6_step``); ``NSUB`` sub-blocks a K step, K split
     over ``SPLIT`` programs as there (``_i8_split_out``)."""
     BK: tl.constexpr = NSUB * 16
-    pid = tl.program_id(0)
-    if SPLIT > 1:
-        blk = pid // SPLIT
-        k_lo = (pid % SPLIT) * (STEPS * BK)
-        k_hi = tl.minimum(K, k_lo + STEPS * BK)
-    else:
-        blk = pid
-        k_lo = 0
-        k_hi = K
-    offs_n = blk * BN + tl.arange(0, BN)
-    rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row
-    if WIDE:
-        rows = rows.to(tl.int64)
+    blk, k_lo, k_hi, offs_n, rows = _i8_program(N, K, BN, BK, SPLIT, STEPS, WIDE)
     lo, hi, s = _q6_load(lo_ptr, hi_ptr, d_ptr, sc_ptr, rows, k_lo, K, s_lo, s_sub, s_d,
                          NSUB, EVEN_K)
     if PDL:
@@ -740,11 +748,5 @@ def ggml_gemv_i8_q6_kernel(
         lo, hi, s = _q6_load(lo_ptr, hi_ptr, d_ptr, sc_ptr, rows, k0, K, s_lo, s_sub, s_d,
                              NSUB, EVEN_K)
         acc += _q6_step(lo, hi, s, x_ptr, k0, K, NSUB, EVEN_K, ASM, ACT)
-    y = tl.sum(acc, axis=1)  # [BN]
-    if SPLIT > 1:
-        _i8_split_out(y, ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, pid % SPLIT, N,
-                      SPLIT, HAS_BIAS)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    _i8_out(tl.sum(acc, axis=1), ws_ptr, sem_ptr, y_ptr, b_ptr, offs_n, rows, blk, N, SPLIT,
+            HAS_BIAS)
