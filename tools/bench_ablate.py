@@ -162,7 +162,7 @@ def critical_path(evs, steps: int) -> List[Dict[str, Any]]:
     order = sorted(evs, key=lambda e: e.time_range.end)
     short = [_short(e.name) for e in order]
     per: Dict[str, List[float]] = {}
-    last = order[0].time_range.start
+    last = min(e.time_range.start for e in evs)  # the span's start, as timeline's
     for i, e in enumerate(order):
         inc = max(0.0, e.time_range.end - last)
         last = max(last, e.time_range.end)

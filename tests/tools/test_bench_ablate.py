@@ -13,8 +13,9 @@ def _ev(name, start, end):
 
 def test_critical_path_charges_each_kernel_what_it_moved_the_end():
     # Under PDL the GEMV starts (launch, first tile) long before the norm ends; start-based
-    # busy time would charge it the overlap. By ends: norm 1, gemv 4 (10 - 6), attn 3.
-    evs = [_ev("ggml_gemv_i8_kernel", 0.0, 5.0), _ev("_rms_norm_kernel", 2.0, 6.0),
+    # busy time would charge it the overlap. By ends: norm 1, gemv 4 (10 - 6), attn 3; the
+    # first GEMV from the span's start (the norm started first, and ends later).
+    evs = [_ev("ggml_gemv_i8_kernel", 1.0, 5.0), _ev("_rms_norm_kernel", 0.0, 6.0),
            _ev("ggml_gemv_i8_kernel", 3.0, 10.0), _ev("_decode_kernel", 9.0, 13.0)]
     rows = {r["ops"]: r for r in bench_ablate.critical_path(evs, steps=1)}
     assert rows["gemv"]["us_per_step"] == pytest.approx(5.0)
