@@ -197,11 +197,13 @@ class _Prepared:
             weight = backend.prepare(raw.contiguous(), t, dtype, batch_copy=copy, exact=exact)
             self.groups.append((backend, weight, len(ids)))
 
-    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor],
+               head: bool = False) -> torch.Tensor:
+        """``x @ W^T (+ bias)``; ``head``: an LM head's (``GgmlBackend.linear_head``)."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]: no op when 2-D
         if len(self.groups) == 1:
             backend, w, _ = self.groups[0]
-            y = backend.linear(x2, w, bias)  # [M, N]
+            y = (backend.linear_head if head else backend.linear)(x2, w, bias)  # [M, N]
         else:
             y = torch.cat([b.linear(x2, w) for b, w, _ in self.groups], dim=-1)  # [M, N]
             if bias is not None:
@@ -289,7 +291,9 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     beside its weights: token lookups dequantize them exactly, and the LM head's
     ``REFINE_TOP`` largest logits per row are recomputed from them in the model dtype, so
     greedy choices and top log-probabilities see the exact head (the rows are few; the
-    bytes cost one more copy of this one tensor)."""
+    bytes cost one more copy of this one tensor). The CUDA backend does the same itself at
+    one row (``GgmlBackend.linear_head``: the int8 GEMV, its 16 largest logits recomputed
+    from the dequantized rows)."""
 
     REFINE_TOP = 16
 
@@ -333,7 +337,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         return backend.embedding(w, ids, self.params_dtype)  # [T, hidden]
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = self.prepared.linear(x, bias)  # [.., V_per_partition]
+        y = self.prepared.linear(x, bias, head=True)  # [.., V_per_partition]
         if self.exact is None:
             return y
         return self._refine(x, y, bias)

@@ -80,6 +80,13 @@ class GgmlBackend(ABC):
         runs the activation first)."""
         return None
 
+    def linear_head(self, x: torch.Tensor, w: GgmlWeight,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``linear`` for an LM head prepared with ``exact=True``: each row's largest
+        logits as ``linear`` gives them; a backend may round the activations for the rest
+        (CUDA at one row: ``ggml_head.head_linear``)."""
+        return self.linear(x, w, bias)
+
     @abstractmethod
     def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids [T]`` of the dequantized weight: ``[T, K]`` in ``dtype``."""

@@ -370,17 +370,19 @@ def _check_inputs(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tenso
                          f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
 
 
-def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config) -> None:
+def _launch_gemv(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor, config,
+                 ids: Optional[torch.Tensor] = None) -> None:
+    """``ids`` (int64 ``[R]``): only those rows, at the whole weight's tiles (``IDS``)."""
     m, k = x2.shape
-    n = w.shape[0]
-    bn, bk, warps, prefetch = config or plan_gemv(m, n, k, w.spec, _sms(x2))
+    n = w.shape[0] if ids is None else ids.numel()
+    bn, bk, warps, prefetch = config or plan_gemv(m, w.shape[0], k, w.spec, _sms(x2))
     ptrs, strides = w.args
-    use_pdl = pdl.enabled(x2)
     gk.ggml_gemv_kernel[(triton.cdiv(n, bn),)](
-        x2, y, bias if bias is not None else y, *ptrs, m, n, k, x2.stride(0), y.stride(0),
-        *strides, _MAGIC, **_type_consts(w.spec), BM=triton.next_power_of_2(m), BN=bn,
-        NSUB=bk // w.spec.sb, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-        PREFETCH=prefetch, PDL=use_pdl, WARPS=warps, num_warps=warps, **pdl.launch_args(x2))
+        x2, y, bias if bias is not None else y, *ptrs, y if ids is None else ids, m, n, k,
+        x2.stride(0), y.stride(0), *strides, _MAGIC, **_type_consts(w.spec),
+        BM=triton.next_power_of_2(m), BN=bn, NSUB=bk // w.spec.sb, HAS_BIAS=bias is not None,
+        EVEN_K=k % bk == 0, PREFETCH=prefetch, PDL=pdl.enabled(x2), WARPS=warps,
+        IDS=ids is not None, num_warps=warps, **pdl.launch_args(x2))
 
 
 def takes_int8_gemv(spec: PackSpec) -> bool:
@@ -785,6 +787,10 @@ class CudaBackend(GgmlBackend):
     def linear(self, x: torch.Tensor, w: CudaGgmlWeight,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return linear(x, w, bias)
+
+    def linear_head(self, x: torch.Tensor, w: CudaGgmlWeight, bias=None) -> torch.Tensor:
+        from cvllm.kernels.quant import ggml_head  # (it imports this module)
+        return ggml_head.head_linear(x, w, bias)
 
     def linear_gated(self, x: torch.Tensor, w: CudaGgmlWeight, act: str,
                      bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:

@@ -89,14 +89,18 @@ def _gemv_step(lo, hi, d, dm, sc, mn, x_ptr, stride_xm, M, k0, K, magic,
 
 @triton.jit
 def ggml_gemv_kernel(
-    x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr,
+    x_ptr, y_ptr, b_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, ids_ptr,
     M, N, K, stride_xm, stride_ym, s_lo, s_sub, s_d, magic,
     SB: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, SUPER: tl.constexpr,
     MODE: tl.constexpr, OFF: tl.constexpr, LUT: tl.constexpr, DD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, WARPS: tl.constexpr,
+    IDS: tl.constexpr,
 ):
-    """``y[:M, rows] = x[:M] @ W[rows]^T (+ b)`` for the ``BN`` rows of this program."""
+    """``y[:M, rows] = x[:M] @ W[rows]^T (+ b)`` for the ``BN`` rows of this program;
+    ``IDS``: the rows are ``ids[0:N]`` (int64; ``N`` ids, not the weight's rows), each
+    written over its own column of ``y``, with the arithmetic of the whole weight's GEMV
+    at the same tiles (``ggml_head``: an LM head's largest logits recomputed)."""
     BK: tl.constexpr = NSUB * SB
     WPS: tl.constexpr = SB * LB // 32
     # Words a thread loads per sub-block: what the coalescer gives the activation runs
@@ -105,6 +109,8 @@ def ggml_gemv_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1)  # tail rows re-read the last row; not stored
+    if IDS:
+        rows = tl.load(ids_ptr + rows)
     lo, hi, d, dm, sc, mn = load_tile(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, rows, 0,
                                       K, s_lo, s_sub, s_d, SB, LB, HB, SUPER, MODE, NSUB,
                                       EVEN_K, True, DD, VEC)
@@ -139,7 +145,8 @@ def ggml_gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     if BM == 1:
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        cols = rows if IDS else offs_n
+        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
     else:
         offs_m = tl.arange(0, BM)
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
