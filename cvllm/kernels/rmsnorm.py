@@ -16,10 +16,18 @@ output equals the CPU path up to the order of the mean's sum:
   rounded again;
 - ``offset=True`` (Gemma): ``round(x * rsqrt(mean(x^2) + eps) * (1 + w))``, float32
   throughout, rounded once.
+
+``q8_wps`` (one row, batch-1 decode): the program also writes its output row in the int8
+form the batch-1 GGUF GEMV reads (``kernels/quant/ggml_kernels.q8_store``, after a
+barrier, from the row it stored: the same bits as that GEMV's own rounding) and attaches
+it to the output tensor (``quant/q8form.attach_q8``), so the GEMV that takes this output
+next (a layer's QKV or gate_up projection, ``quantization/gguf.pair_norm_outputs``)
+skips the rounding in every one of its programs.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -28,23 +36,28 @@ import triton.language as tl
 
 from cvllm.kernels import pdl
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.quant.ggml_kernels import q8_store
 
 MAX_HIDDEN = 65536
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
     N, eps,
     stride_x, stride_res, stride_out, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, Q8_WPS: tl.constexpr, Q8_NSUB: tl.constexpr, ASM: tl.constexpr,
 ):
     """Row ``pid``: ``out = norm(x [+ res]) * w`` (see the module docstring for roundings);
     with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
     may alias ``x``: every element is read before its own row is written. The weight (a
-    parameter no kernel writes) is read before the PDL wait, off the critical path."""
+    parameter no kernel writes) is read before the PDL wait, off the critical path.
+    ``Q8_WPS`` (4 or 8; one row): also the stored row in the GGUF GEMV's int8 form at
+    ``q_ptr`` / ``s_ptr`` (``q8_store``, ``Q8_NSUB`` sub-blocks of 32; ``ASM``: dp4a in
+    PTX)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -66,6 +79,10 @@ def _rms_norm_kernel(
     else:
         y = normed.to(dtype).to(tl.float32) * w
     tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
+    if Q8_WPS > 0:
+        tl.debug_barrier()  # the row is stored: every thread reads back what was written
+        q8_store(out_ptr + row * stride_out, q_ptr, s_ptr, 0, N, Q8_NSUB,
+                 N == Q8_NSUB * 32, ASM, 0, Q8_WPS)
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -118,11 +135,14 @@ def rms_norm(
     offset: bool = False,
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
+    q8_wps: int = 0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``norm(x)`` or, with ``residual``, ``(norm(x + residual), x + residual)``; the
     contract of ``reference.rms_norm_ref``. ``x [.., N]``, ``weight [N]``; outputs in x's
     dtype, new tensors unless ``out`` / ``residual_out`` are given (they may be ``x`` /
-    ``residual`` for an in-place update)."""
+    ``residual`` for an in-place update). ``q8_wps`` (4 or 8): for one row of a multiple
+    of 32 elements in bf16 / fp16, the output also carries its int8 form for a GGUF GEMV
+    of that many words a sub-block (module docstring); other calls ignore it."""
     _check_inputs(x, weight, residual, out, residual_out)
     hidden = x.shape[-1]
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
@@ -133,10 +153,22 @@ def rms_norm(
     ro2 = _out_rows("residual_out", residual_out, hidden) if residual_out is not None else o2
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
+        q8 = q8_wps in (4, 8) and x2.shape[0] == 1 and hidden % 32 == 0 and x.dtype in (
+            torch.float16, torch.bfloat16)
+        words = steps = o2
+        if q8:  # ggml_cuda.quantize_q8's buffers
+            words = torch.empty(2, hidden // 8, dtype=torch.int32, device=x.device)
+            steps = torch.empty(2, hidden // 32, dtype=torch.float32, device=x.device)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, o2, ro2, hidden, float(eps),
+            x2, r2, weight, o2, ro2, words, steps, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block, PDL=pdl.enabled(x),
-            num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
+            Q8_WPS=q8_wps if q8 else 0, Q8_NSUB=triton.next_power_of_2(hidden // 32) if q8
+            else 1, ASM=not _INTERPRETED, num_warps=min(max(block // 512, 1), 16),
+            **pdl.launch_args(x),
         )
+        if q8:
+            from cvllm.kernels.quant.q8form import attach_q8
+
+            attach_q8(out, q8_wps, words, steps)
     return out if residual is None else (out, residual_out)

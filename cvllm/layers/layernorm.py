@@ -53,6 +53,9 @@ class RMSNorm(nn.Module):
             torch.ones(hidden_size, dtype=dtype), requires_grad=False
         )  # [hidden]
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.q8_wps = 0
+        """4 or 8: a batch-1 output also carries its int8 form for the GGUF GEMV that
+        reads it next (``quantization/gguf.pair_norm_outputs`` sets it; 0: never)."""
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
@@ -72,7 +75,8 @@ class RMSNorm(nn.Module):
         if _use_triton(x, self.weight, residual):
             from cvllm.kernels.rmsnorm import rms_norm
 
-            return rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return rms_norm(x, self.weight, self.variance_epsilon, residual,
+                            q8_wps=self.q8_wps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -48,7 +48,7 @@ from cvllm.kernels.transfer import to_device
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
 from cvllm.models.registry import get_model_class
-from cvllm.quantization.gguf import build_quant_config
+from cvllm.quantization.gguf import build_quant_config, pair_norm_outputs
 from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
@@ -77,6 +77,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # events and graphs use the current device
         self.model = self._load_model(source)
+        if self.device.type == "cuda":
+            paired = pair_norm_outputs(self.model)  # before any forward is captured
+            if paired:
+                logger.info("%d RMSNorms write the int8 input of the GGUF GEMV after them",
+                            paired)
         self.cache_specs: List[LayerCacheSpec] = model_cache_specs(self.model, config, self.dtype)
         if config.cache.fp8_kvcache:  # halves bytes per block: sizing and allocation see it
             self.cache_specs = fp8_kv_specs(self.cache_specs)

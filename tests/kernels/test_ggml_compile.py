@@ -112,6 +112,22 @@ def test_q8_kernel_compiles_for_sm90(wps):
         assert "st.global" in ptx
 
 
+@pytest.mark.parametrize("wps", [4, 8])
+def test_rms_norm_with_int8_form_compiles_for_sm90(wps):
+    """The RMSNorm kernel writing its row's int8 form too (``kernels/rmsnorm.py``,
+    ``Q8_WPS``): an 8B row (4096, whole sub-block runs) and SmolLM2's (576, masked)."""
+    from cvllm.kernels.rmsnorm import _rms_norm_kernel
+
+    pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                "res_out_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "eps": "fp32"}
+    for block, nsub in ((4096, 128), (1024, 32)):
+        compiled = _compile(_rms_norm_kernel, pointers, dict(
+            HAS_RESIDUAL=True, OFFSET=False, BLOCK=block, PDL=False, Q8_WPS=wps,
+            Q8_NSUB=nsub, ASM=True), num_warps=8)
+        ptx = compiled.asm["ptx"]
+        assert "dp4a" in ptx and "bar.sync" in ptx
+
+
 def _compile_mm(t, bm, bn, bk, warps, stages, split, swap):
     """``ggml_mm_kernel`` for type ``t`` with a bf16 x and these tiles."""
     spec = SPECS[t]

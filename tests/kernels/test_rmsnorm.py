@@ -76,12 +76,52 @@ CPU_CASES = [
 ]
 
 
+def check_q8(device="cpu", dtype=torch.float16, sizes=((256, 4, False), (96, 4, True),
+                                                      (256, 8, True), (160, 8, False))) -> None:
+    """``q8_wps``: the output unchanged, and carrying the int8 form ``quantize_q8`` gives
+    for it, bit for bit (4- and 8-bit word layouts, a row of whole and of masked
+    sub-block runs, with and without the residual); a GGUF GEMV that takes the output
+    equals the one that rounds it in its own kernel; the form is dropped once the output
+    changes, and never made for two rows."""
+    from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.quant import q8form as q8f
+    from cvllm.kernels.quant.ggml_types import GgmlType
+    from cvllm.kernels.rmsnorm import rms_norm
+    from tests.kernels.test_ggml_cuda import random_raw
+
+    for hidden, wps, res in sizes:
+        x, r, w = _inputs(1, hidden, dtype, device, seed=hidden)
+        plain = rms_norm(x, w, 1e-6, residual=r if res else None)
+        got = rms_norm(x, w, 1e-6, residual=r if res else None, q8_wps=wps)
+        out, plain = (got[0], plain[0]) if res else (got, plain)
+        assert torch.equal(out, plain)
+        words, steps = q8f.attached_q8(out, wps)
+        want_w, want_s = q8f.quantize_q8(out, hidden, 0, wps)
+        assert torch.equal(words, want_w) and torch.equal(steps, want_s)
+        assert q8f.attached_q8(out, 12 - wps) is None  # the other layout: not this form
+        t = GgmlType.Q8_0 if wps == 8 else GgmlType.Q4_K
+        if hidden % 256 == 0 or t == GgmlType.Q8_0:
+            wq = gc.prepare(random_raw(t, 24, hidden, device=device), t)
+            # (the planned tiles differ with prequant: compared where the K order matches)
+            for cfg in ((None,) if device == "cpu" else ()) + ((8, 64, 4, False, 2),):
+                assert torch.equal(gc.linear(out, wq, config=cfg),
+                                   gc.linear(out.clone(), wq, config=cfg, prequant=True))
+            fake = out.clone()  # the GEMV reads the attached form, not the row: zeros in
+            q8f.attach_q8(fake, wps, torch.zeros_like(words), torch.zeros_like(steps))
+            assert not gc.linear(fake, wq).any() and gc.linear(out, wq).any()
+        out.mul_(2)  # written in place: the form no longer describes it
+        assert q8f.attached_q8(out, wps) is None
+    x, r, w = _inputs(2, 64, dtype, device)
+    assert q8f.attached_q8(rms_norm(x, w, 1e-6, q8_wps=4), 4) is None
+
+
 def run_cpu_cases() -> None:
     """Entry point of the interpreter subprocess."""
     for case in CPU_CASES:
         check_rms_norm(**case)
     check_heads()
     check_heads(dtype=torch.float16)
+    check_q8()
 
 
 def test_kernel_interpreted_on_cpu():
@@ -144,6 +184,12 @@ def test_rms_norm_cuda(dtype, rows, hidden, offset):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_heads_cuda(dtype):
     check_heads("cuda", dtype, T=300, H=32, D=128)
+
+
+@pytest.mark.gpu
+@gpu
+def test_q8_form_cuda():
+    check_q8("cuda", torch.bfloat16, sizes=((4096, 4, True), (4096, 8, False), (576, 4, True)))
 
 
 @pytest.mark.gpu

@@ -74,6 +74,24 @@ def test_kept_q4k_matches_dequantized_and_isq(q4k_llama):
     assert [o.token_ids for o in isq] == [o.token_ids for o in kept]
 
 
+def test_norms_round_the_gemv_input_once(q4k_llama, monkeypatch):
+    """Each layer's two RMSNorms write the int8 input of the Q4_K GEMV after them
+    (``pair_norm_outputs``); the greedy tokens are those of the GEMVs rounding it
+    themselves (the same rounding; float32 sums may differ in the last bit)."""
+    from cvllm.layers.layernorm import RMSNorm
+    from cvllm.quantization import gguf as gguf_method
+
+    folder, path = q4k_llama
+    llm, paired = _run(weight_file=str(path), weight_path=str(folder))
+    norms = [m for m in llm.engine.runner.model.modules() if type(m) is RMSNorm]
+    assert sum(m.q8_wps == 4 for m in norms) == 4  # 2 layers x 2 (not the final norm)
+    monkeypatch.setattr(gguf_method, "NORM_Q8", False)
+    llm, unpaired = _run(weight_file=str(path), weight_path=str(folder))
+    assert not any(m.q8_wps for m in llm.engine.runner.model.modules()
+                   if type(m) is RMSNorm)
+    assert [o.token_ids for o in paired] == [o.token_ids for o in unpaired]
+
+
 def test_device_bytes_within_five_percent_of_the_file(q4k_llama):
     import gguf
 

@@ -87,6 +87,12 @@ class GgmlBackend(ABC):
         (CUDA at one row: ``ggml_head.head_linear``)."""
         return self.linear(x, w, bias)
 
+    def rounded_input(self, w: GgmlWeight) -> int:
+        """Words a 32-element sub-block of the int8 form of one input row that ``linear``
+        reads instead of rounding the row itself when the row carries it (the RMSNorm
+        before the product writes it: ``kernels/rmsnorm.py``, ``q8_wps``); 0: none."""
+        return 0
+
     @abstractmethod
     def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids [T]`` of the dequantized weight: ``[T, K]`` in ``dtype``."""

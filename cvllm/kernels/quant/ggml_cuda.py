@@ -68,6 +68,7 @@ from cvllm.kernels.quant import ggml_kernels as gk
 from cvllm.kernels.quant.backend import GgmlBackend
 from cvllm.kernels.quant.ggml_pack import SPECS, PackSpec, repack
 from cvllm.kernels.quant.ggml_types import GgmlType, block_shape
+from cvllm.kernels.quant.q8form import attached_q8, quantize_q8
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
@@ -102,9 +103,6 @@ gaps included): the down projection with its activation 20.4 us rounded in the G
 from the extra kernel (qkv 7.6 -> 8.0, o_proj 5.0 -> 6.4, gate_up 29.8 -> 28.7 us)."""
 if PREQUANT_X not in ("gated", "all", "0"):
     raise ValueError(f"CVLLM_GGML_Q8_X must be gated, all or 0; got {PREQUANT_X!r}")
-Q8_NSUB = 32
-"""Sub-blocks (of 32 elements) a ``ggml_q8_kernel`` program rounds: one word of eight
-elements a thread at 4 warps."""
 _MAGIC = 0x4B000000
 """The exponent bits of ``2**23``, passed as a run-time argument: a literal would let ptxas
 put it in LOP3's immediate slot and re-create the per-field mask before every LOP3."""
@@ -481,21 +479,6 @@ def _prequant(act: int) -> bool:
     return PREQUANT_X == "all" or (PREQUANT_X == "gated" and act != 0)
 
 
-def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One row ``x2 [1, K]`` (``[1, 2K]`` gate_up with ``act``) in ``ggml_gemv_i8_kernel``'s
-    int8 form for weights of ``wps`` words a sub-block: words ``[2, K / 8]`` int32 (one
-    run of ``K / 4`` for ``wps`` 8) and steps ``[2, K / 32]`` float32
-    (``ggml_kernels.ggml_q8_kernel``; K a multiple of 32)."""
-    words = torch.empty(2, k // 8, dtype=torch.int32, device=x2.device)
-    steps = torch.empty(2, k // 32, dtype=torch.float32, device=x2.device)
-    gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
-        x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
-        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps, num_warps=4,
-        **pdl.launch_args(x2))
-    return words, steps
-
-
 def _launch_gemv_i8_q6(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
                        config, act: int) -> None:
     """Q6_K's int8 GEMV (``ggml_gemv_i8_q6_kernel``): x always rounded by each program (per
@@ -517,7 +500,8 @@ def _launch_gemv_i8_q6(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tenso
 
 
 def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
-                    config, act: int = 0, prequant: Optional[bool] = None) -> None:
+                    config, act: int = 0, prequant: Optional[bool] = None,
+                    given: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     n, k = w.shape
     if _is_q6k(w.spec):
         _launch_gemv_i8_q6(x2, w, bias, y, config, act)
@@ -528,7 +512,9 @@ def _launch_gemv_i8(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
     (lo, _hi, d, dm, sc), (s_lo, s_sub, s_d) = w.args
     spec = w.spec
     xq, xs = x2, x2
-    if prequant:
+    if given is not None and not act:  # rounded by the kernel that wrote x (same bits)
+        xq, xs = given
+    elif prequant:
         xq, xs = quantize_q8(x2, k, act, wps)
         act = 0
     ws = torch.empty(split, n, dtype=torch.float32, device=y.device) if split > 1 else y
@@ -663,7 +649,8 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     Q4_1 / Q4_K / Q8_0. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
     output ``[.., 2K]`` and the product is with ``act(gate) * up``, applied by the kernel
     (``gemv_i8`` only: ``gated_fusable``). ``prequant``: on ``gemv_i8``, round x in its own
-    kernel first (default: ``PREQUANT_X``'s choice)."""
+    kernel first (default: ``PREQUANT_X``'s choice); an x that carries its int8 form
+    (``attach_q8``: an RMSNorm's output) is not rounded again."""
     _check_inputs(x, w, bias, gated=act is not None)
     n, k = w.shape
     act_code = 0
@@ -688,7 +675,8 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
             if m != 1 or not takes_int8_gemv(w.spec):
                 raise ValueError(f"the gemv_i8 path takes one row of Q4_0 / Q4_1 / Q4_K / "
                                  f"Q8_0 / Q6_K; got {m} rows of {w.ggml_type.name}")
-            _launch_gemv_i8(x2, w, bias, y, config, act_code, prequant)
+            _launch_gemv_i8(x2, w, bias, y, config, act_code, prequant,
+                            attached_q8(x, _wps(w.spec)))
         elif path == "gemv":
             if m > 16:
                 raise ValueError(f"the gemv path takes at most 16 rows; got {m}")
@@ -795,6 +783,10 @@ class CudaBackend(GgmlBackend):
     def linear_gated(self, x: torch.Tensor, w: CudaGgmlWeight, act: str,
                      bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         return linear(x, w, bias, act=act) if gated_fusable(x, w) else None
+
+    def rounded_input(self, w: CudaGgmlWeight) -> int:
+        q6 = _is_q6k(w.spec)  # rounds per 16 elements itself: no form made for it
+        return _wps(w.spec) if choose_path(1, w.spec, w.exact) == "gemv_i8" and not q6 else 0
 
     def embedding(self, w: CudaGgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return embedding(w, ids, dtype)

@@ -490,18 +490,13 @@ def _i8_step(lo, s, m, x_ptr, xs_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.cons
 
 
 @triton.jit
-def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
-                   ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-                   WPS: tl.constexpr):
-    """One row of activations (``[K]``, or a ``[gate | up]`` row of ``2K`` with ``ACT``)
-    in the int8 form ``ggml_gemv_i8_kernel`` reads with ``XQ``: words ``q [2, K / 8]``
-    int32 (``xe`` then ``xd``) and float32 ``s [2, K / 32]`` (``dx`` then ``sx``), for
-    ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
-    program. ``WPS`` 8 (Q8_0): the words are one run ``[K / 4]`` (``_q8_words8``)."""
-    k0 = tl.program_id(0) * NSUB * 32
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
+def q8_store(x_ptr, q_ptr, s_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+             ASM: tl.constexpr, ACT: tl.constexpr, WPS: tl.constexpr):
+    """The ``NSUB`` sub-blocks of x from ``k0`` in the int8 form ``ggml_gemv_i8_kernel``
+    reads with ``XQ``: words ``q [2, K / 8]`` int32 (``xe`` then ``xd``; one run ``[K / 4]``
+    for ``WPS`` 8, ``_q8_words8``) and float32 ``s [2, K / 32]`` (``dx`` then ``sx``).
+    ``ggml_q8_kernel``'s body, and the RMSNorm kernel's (``kernels/rmsnorm.py``, ``Q8``)
+    for its own output row: one definition, the same bits."""
     xe, xd, dx, sx = _q8_runs(x_ptr, k0, K, NSUB, EVEN_K, ACT, ASM, WPS)
     sub = k0 // 32 + tl.arange(0, NSUB)
     if WPS == 8:  # (if / else, no early return: see _q8_runs)
@@ -524,6 +519,21 @@ def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.conste
     else:
         tl.store(s_ptr + sub, dx, mask=sub < K // 32)
         tl.store(s_ptr + K // 32 + sub, sx, mask=sub < K // 32)
+
+
+@triton.jit
+def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
+                   ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+                   WPS: tl.constexpr):
+    """One row of activations (``[K]``, or a ``[gate | up]`` row of ``2K`` with ``ACT``)
+    in the int8 form ``ggml_gemv_i8_kernel`` reads with ``XQ`` (``q8_store``), for
+    ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
+    program."""
+    k0 = tl.program_id(0) * NSUB * 32
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
+    q8_store(x_ptr, q_ptr, s_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, WPS)
 
 
 @triton.jit
