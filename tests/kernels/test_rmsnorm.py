@@ -76,8 +76,11 @@ CPU_CASES = [
 ]
 
 
-def check_q8(device="cpu", dtype=torch.float16, sizes=((256, 4, False), (96, 4, True),
-                                                      (256, 8, True), (160, 8, False))) -> None:
+Q8_SIZES = ((256, 4, False), (96, 4, True), (256, 8, True), (160, 8, False))
+"""(hidden, q8_wps, with a residual) of ``check_q8``."""
+
+
+def check_q8(device="cpu", dtype=torch.float16, sizes=Q8_SIZES) -> None:
     """``q8_wps``: the output unchanged, and carrying the int8 form ``quantize_q8`` gives
     for it, bit for bit (4- and 8-bit word layouts, a row of whole and of masked
     sub-block runs, with and without the residual); a GGUF GEMV that takes the output
