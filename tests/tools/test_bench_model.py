@@ -101,3 +101,21 @@ def test_device_slug():
 
     assert bench.device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert bench.device_slug("NVIDIA H200") == "h200"
+
+
+def test_best_ceiling_fraction():
+    """A decode row's fraction against the higher of the run's two copy rates."""
+    import bench
+
+    data = {"ceilings": {"copy_bytes_per_s": 4.0e12}, "ceilings_end": {"copy_bytes_per_s": 4.2e12},
+            "decode": [{"batch": 1, "fraction_of_roofline": 0.6}, {"batch": 64}]}
+    bench.best_ceiling_fractions(data)
+    assert abs(data["decode"][0]["fraction_of_best_roofline"] - 0.6 * 4.0 / 4.2) < 1e-12
+    assert "fraction_of_best_roofline" not in data["decode"][1]
+    data["ceilings_end"] = {"copy_bytes_per_s": 3.9e12}  # slower at the end: the start's
+    bench.best_ceiling_fractions(data)
+    assert data["decode"][0]["fraction_of_best_roofline"] == 0.6
+    data.pop("ceilings_end")
+    data["decode"][0].pop("fraction_of_best_roofline")
+    bench.best_ceiling_fractions(data)  # the end's not measured: nothing to compare
+    assert "fraction_of_best_roofline" not in data["decode"][0]
