@@ -349,10 +349,12 @@ def _q8_byte(x, inv, SH: tl.constexpr):
 
 
 @triton.jit
-def _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB: tl.constexpr, ASM: tl.constexpr):
+def _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB: tl.constexpr, ASM: tl.constexpr,
+              W: tl.constexpr = 4):
     """The int8 form of ``NSUB`` 32-element sub-blocks, given as the eight field runs
     ``x0 .. x7`` (float32 ``[NSUB * 4]``: run ``F`` of word ``j`` is the element at
-    ``(j // 4) * 32 + j % 4 + 4 * F``): each sub-block rounded to int8 by its absmax
+    ``(j // 4) * 32 + j % 4 + 4 * F``); ``W`` 2: 16-element sub-blocks of two words
+    (Q6_K's, ``_q8_runs16``). Each sub-block rounded to int8 by its absmax
     (``127 / amax``, as llama.cpp's q8_1), packed to match the weight words (a word's
     even fields, the bytes of ``lo & 0x0F0F0F0F``, pair with runs 0, 2, 4, 6: ``xe``; its
     odd fields with runs 1, 3, 5, 7: ``xd``), with each sub-block's step ``dx = amax /
@@ -362,18 +364,32 @@ def _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB: tl.constexpr, ASM: tl.conste
                               tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
                               tl.maximum(tl.abs(x6), tl.abs(x7))))
-    amax = tl.max(tl.reshape(a, (NSUB, 4)), axis=1)  # [NSUB] each sub-block's largest |x|
+    amax = tl.max(tl.reshape(a, (NSUB, W)), axis=1)  # [NSUB] each sub-block's largest |x|
     inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)  # [NSUB]
-    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 4)), (NSUB * 4,))
+    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, W)), (NSUB * W,))
     xe = _q8_byte(x0, inv, 0) | _q8_byte(x2, inv, 8) | _q8_byte(x4, inv, 16) \
         | _q8_byte(x6, inv, 24)
     xd = _q8_byte(x1, inv, 0) | _q8_byte(x3, inv, 8) | _q8_byte(x5, inv, 16) \
         | _q8_byte(x7, inv, 24)
     ones = tl.full(xe.shape, 0x01010101, tl.int32)
     xq = _dp4a(ones, xd, _dp4a(ones, xe, tl.zeros(xe.shape, tl.int32), ASM), ASM)
-    xsum = tl.sum(tl.reshape(xq, (NSUB, 4)), axis=1)  # [NSUB] sum of the int8 x
+    xsum = tl.sum(tl.reshape(xq, (NSUB, W)), axis=1)  # [NSUB] sum of the int8 x
     dx = amax * (1.0 / 127.0)
     return xe, xd, dx, xsum.to(tl.float32) * dx
+
+
+@triton.jit
+def _load_runs8(x_ptr, k0, offs, STEP: tl.constexpr, K, EVEN_K: tl.constexpr,
+                ACT: tl.constexpr):
+    """The eight field runs ``x0 .. x7`` of ``_q8_words``: x at ``offs + F * STEP``."""
+    return (load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 2 * STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 3 * STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 4 * STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 5 * STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 6 * STEP, K, EVEN_K, ACT),
+            load_act_x(x_ptr, k0, offs + 7 * STEP, K, EVEN_K, ACT))
 
 
 @triton.jit
@@ -425,14 +441,7 @@ def _q8_runs4(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.co
     """``_q8_runs`` for 4-bit weights (``_q8_words``)."""
     j = tl.arange(0, NSUB * 4)
     offs = (j // 4) * 32 + j % 4  # [NSUB * 4]: field 0's element of each word
-    x0 = load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT)
-    x1 = load_act_x(x_ptr, k0, offs + 4, K, EVEN_K, ACT)
-    x2 = load_act_x(x_ptr, k0, offs + 8, K, EVEN_K, ACT)
-    x3 = load_act_x(x_ptr, k0, offs + 12, K, EVEN_K, ACT)
-    x4 = load_act_x(x_ptr, k0, offs + 16, K, EVEN_K, ACT)
-    x5 = load_act_x(x_ptr, k0, offs + 20, K, EVEN_K, ACT)
-    x6 = load_act_x(x_ptr, k0, offs + 24, K, EVEN_K, ACT)
-    x7 = load_act_x(x_ptr, k0, offs + 28, K, EVEN_K, ACT)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _load_runs8(x_ptr, k0, offs, 4, K, EVEN_K, ACT)
     return _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB, ASM)
 
 
@@ -661,30 +670,8 @@ def _q8_runs16(x_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.c
     ``xe, xd [NSUB * 2]`` (the even and the odd fields' bytes), ``dx, sx [NSUB]``."""
     j = tl.arange(0, NSUB * 2)
     offs = (j // 2) * 16 + j % 2  # [NSUB * 2]: field 0's element of each word
-    x0 = load_act_x(x_ptr, k0, offs, K, EVEN_K, ACT)
-    x1 = load_act_x(x_ptr, k0, offs + 2, K, EVEN_K, ACT)
-    x2 = load_act_x(x_ptr, k0, offs + 4, K, EVEN_K, ACT)
-    x3 = load_act_x(x_ptr, k0, offs + 6, K, EVEN_K, ACT)
-    x4 = load_act_x(x_ptr, k0, offs + 8, K, EVEN_K, ACT)
-    x5 = load_act_x(x_ptr, k0, offs + 10, K, EVEN_K, ACT)
-    x6 = load_act_x(x_ptr, k0, offs + 12, K, EVEN_K, ACT)
-    x7 = load_act_x(x_ptr, k0, offs + 14, K, EVEN_K, ACT)
-    a = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
-                              tl.maximum(tl.abs(x2), tl.abs(x3))),
-                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
-                              tl.maximum(tl.abs(x6), tl.abs(x7))))
-    amax = tl.max(tl.reshape(a, (NSUB, 2)), axis=1)  # [NSUB]
-    inv_s = tl.where(amax > 0, 127.0 / amax, 0.0)
-    inv = tl.reshape(tl.broadcast_to(inv_s[:, None], (NSUB, 2)), (NSUB * 2,))
-    xe = _q8_byte(x0, inv, 0) | _q8_byte(x2, inv, 8) | _q8_byte(x4, inv, 16) \
-        | _q8_byte(x6, inv, 24)
-    xd = _q8_byte(x1, inv, 0) | _q8_byte(x3, inv, 8) | _q8_byte(x5, inv, 16) \
-        | _q8_byte(x7, inv, 24)
-    ones = tl.full(xe.shape, 0x01010101, tl.int32)
-    xq = _dp4a(ones, xd, _dp4a(ones, xe, tl.zeros(xe.shape, tl.int32), ASM), ASM)
-    xsum = tl.sum(tl.reshape(xq, (NSUB, 2)), axis=1)  # [NSUB]
-    dx = amax * (1.0 / 127.0)
-    return xe, xd, dx, xsum.to(tl.float32) * dx
+    x0, x1, x2, x3, x4, x5, x6, x7 = _load_runs8(x_ptr, k0, offs, 2, K, EVEN_K, ACT)
+    return _q8_words(x0, x1, x2, x3, x4, x5, x6, x7, NSUB, ASM, 2)
 
 
 @triton.jit
