@@ -156,7 +156,7 @@ def rms_norm(
         q8 = q8_wps in (4, 8) and x2.shape[0] == 1 and hidden % 32 == 0 and x.dtype in (
             torch.float16, torch.bfloat16)
         words = steps = o2
-        if q8:  # ggml_cuda.quantize_q8's buffers
+        if q8:  # q8form.quantize_q8's buffers
             words = torch.empty(2, hidden // 8, dtype=torch.int32, device=x.device)
             steps = torch.empty(2, hidden // 32, dtype=torch.float32, device=x.device)
         _rms_norm_kernel[(x2.shape[0],)](

@@ -302,7 +302,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     greedy choices and top log-probabilities see the exact head (the rows are few; the
     bytes cost one more copy of this one tensor). The CUDA backend does the same itself at
     one row (``GgmlBackend.linear_head``: the int8 GEMV, its 16 largest logits recomputed
-    from the dequantized rows)."""
+    by the float GEMV on those rows)."""
 
     REFINE_TOP = 16
 
