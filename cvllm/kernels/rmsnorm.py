@@ -21,7 +21,7 @@ output equals the CPU path up to the order of the mean's sum:
 form the batch-1 GGUF GEMV reads (``kernels/quant/ggml_kernels.q8_store``, after a
 barrier, from the row it stored: the same bits as that GEMV's own rounding) and attaches
 it to the output tensor (``quant/q8form.attach_q8``), so the GEMV that takes this output
-next (a layer's QKV or gate_up projection, ``quantization/gguf.pair_norm_outputs``)
+next (a layer's QKV or gate_up projection, ``layers/layernorm.pair_norm_outputs``)
 skips the rounding in every one of its programs.
 """
 

@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
         self.q8_wps = 0
         """4 or 8: a batch-1 output also carries its int8 form for the GGUF GEMV that
-        reads it next (``quantization/gguf.pair_norm_outputs`` sets it; 0: never)."""
+        reads it next (``pair_norm_outputs`` sets it; 0: never)."""
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
@@ -203,3 +203,32 @@ class PerHeadLayerNorm(nn.Module):
         T, (H, D) = x.shape[0], self.weight.shape
         xf = F.layer_norm(x.reshape(T, H, D).float(), (D,), eps=self.eps)  # [T, H, D]
         return (xf * self.weight.float()).to(x.dtype).reshape(T, H * D)
+
+
+_NORM_CONSUMERS = (("input_layernorm", "self_attn.qkv_proj"),
+                   ("post_attention_layernorm", "mlp.gate_up_proj"))
+"""(norm, the linear its output feeds) in the decoder layers that name them so."""
+
+
+def pair_norm_outputs(model: nn.Module) -> int:
+    """Tell each decoder layer's RMSNorm that feeds a linear whose batch-1 product reads
+    its input in int8 (its quant method's ``rounded_input``: the GGUF GEMVs on CUDA) to
+    write that form with its output (``RMSNorm.q8_wps``): the RMSNorm kernel rounds the
+    row once instead of every program of the GEMV (the same bits). Safe where the names
+    mislead: the GEMV takes the form only from the very tensor it multiplies, unmodified
+    (``kernels/quant/q8form.attached_q8``). Returns how many norms were paired."""
+    paired = 0
+    for layer in model.modules():
+        for norm_name, target in _NORM_CONSUMERS:
+            norm = layer._modules.get(norm_name)
+            if type(norm) is not RMSNorm:
+                continue
+            try:
+                method = layer.get_submodule(target).quant_method
+            except AttributeError:  # no such linear, or one without a quant method
+                continue
+            wps = method.rounded_input()
+            if wps:
+                norm.q8_wps = wps
+                paired += 1
+    return paired

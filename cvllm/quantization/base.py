@@ -88,6 +88,12 @@ class LinearMethodBase(ABC):
         block; 1 for plain weights)."""
         return 1
 
+    def rounded_input(self) -> int:
+        """Words a 32-element sub-block of the int8 form of one input row that the batch-1
+        product reads instead of rounding the row itself, when the row carries that form
+        (an RMSNorm's output: ``layers/layernorm.pair_norm_outputs``); 0: it takes none."""
+        return 0
+
     def weight_breakdown(self) -> List[Tuple[str, int, int]]:
         """``(stored type, checkpoint tensors, device bytes)`` of the weights this method
         holds outside the layer's parameters (the start-up log, the benchmarks)."""

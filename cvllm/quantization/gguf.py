@@ -49,6 +49,11 @@ from cvllm.quantization.unquantized import FUSE_ACT
 
 logger = logging.getLogger("cvllm.quantization")
 
+NORM_Q8 = os.environ.get("CVLLM_GGML_NORM_Q8", "1").strip() != "0"
+"""RMSNorms write their batch-1 output's int8 form for the GGUF GEMV after them
+(``layers/layernorm.pair_norm_outputs``); ``CVLLM_GGML_NORM_Q8=0``: the GEMVs round it
+themselves."""
+
 KEPT_TYPES = QUANTIZED_TYPES | FLOAT_TYPES
 """Types a packed weight may hold (float parts of a quantized fused layer included)."""
 
@@ -285,8 +290,9 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def rounded_input(self) -> int:
         """The int8 input form (words a sub-block) the batch-1 product of the most rows
-        reads when its input row carries it (``GgmlBackend.rounded_input``); 0: none."""
-        if self.prepared is None:
+        reads when its input row carries it (``GgmlBackend.rounded_input``); 0: none
+        (and always 0 with ``NORM_Q8`` off)."""
+        if self.prepared is None or not NORM_Q8:
             return 0
         backend, w, _ = max(self.prepared.groups, key=lambda g: g[1].shape[0])
         return backend.rounded_input(w)
@@ -437,38 +443,3 @@ def build_quant_config(quant, model_cls) -> Optional[QuantizationConfig]:
                                batch_copy_bytes=copies)
     return GGUFQuantConfig(isq=quant.isq, stacked_params_mapping=mapping,
                            batch_copy_bytes=copies)
-
-
-NORM_Q8 = os.environ.get("CVLLM_GGML_NORM_Q8", "1").strip() != "0"
-"""RMSNorms write their batch-1 output's int8 form for the GGUF GEMV after them
-(``pair_norm_outputs``); ``CVLLM_GGML_NORM_Q8=0``: the GEMVs round it themselves."""
-_NORM_CONSUMERS = (("input_layernorm", "self_attn.qkv_proj"),
-                   ("post_attention_layernorm", "mlp.gate_up_proj"))
-"""(norm, the linear its output feeds) in the decoder layers that name them so."""
-
-
-def pair_norm_outputs(model: torch.nn.Module) -> int:
-    """Tell each decoder layer's RMSNorm that feeds a GGUF linear whose batch-1 product
-    reads its input in int8 (``GGUFLinearMethod.rounded_input``) to write that form with
-    its output (``RMSNorm.q8_wps``): the RMSNorm kernel rounds the row once instead of
-    every program of the GEMV (the same bits). Safe where the names mislead: the GEMV
-    takes the form only from the very tensor it multiplies, unmodified
-    (``q8form.attached_q8``). Returns how many norms were paired."""
-    from cvllm.layers.layernorm import RMSNorm
-
-    if not NORM_Q8:
-        return 0
-    paired = 0
-    for layer in model.modules():
-        for norm_name, target in _NORM_CONSUMERS:
-            norm = layer._modules.get(norm_name)
-            if type(norm) is not RMSNorm:
-                continue
-            try:
-                method = layer.get_submodule(target).quant_method
-            except AttributeError:
-                continue
-            if isinstance(method, GGUFLinearMethod) and method.rounded_input():
-                norm.q8_wps = method.rounded_input()
-                paired += 1
-    return paired

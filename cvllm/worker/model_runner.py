@@ -45,10 +45,11 @@ from cvllm.distributed import parallel_state
 from cvllm.core.sampling_batch import SamplingBatch
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.kernels.transfer import to_device
+from cvllm.layers.layernorm import pair_norm_outputs
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
 from cvllm.models.registry import get_model_class
-from cvllm.quantization.gguf import build_quant_config, pair_norm_outputs
+from cvllm.quantization.gguf import build_quant_config
 from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,

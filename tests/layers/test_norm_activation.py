@@ -28,3 +28,40 @@ def test_gated_activations():
     torch.testing.assert_close(get_act_and_mul_fn("gelu")(x), F.gelu(g) * u)
     with pytest.raises(ValueError, match="unsupported hidden_act"):
         get_act_and_mul_fn("relu2")
+
+
+def test_pair_norm_outputs_marks_norms_before_int8_linears():
+    """A decoder layer's two RMSNorms learn the int8 form their next linear reads
+    (``rounded_input``); a linear that takes none, a missing one, or another kind of norm
+    leaves the norm as it was."""
+    from torch import nn
+
+    from cvllm.layers.layernorm import pair_norm_outputs
+    from cvllm.layers.linear import ReplicatedLinear
+    from cvllm.quantization.unquantized import UnquantizedLinearMethod
+
+    class FourWords(UnquantizedLinearMethod):
+        def rounded_input(self) -> int:
+            return 4
+
+    def layer(with_mlp: bool, int8: bool) -> nn.Module:
+        m = nn.Module()
+        m.input_layernorm, m.post_attention_layernorm = RMSNorm(64), RMSNorm(64)
+        m.self_attn = nn.Module()
+        m.self_attn.qkv_proj = ReplicatedLinear(64, 96, bias=False)
+        if int8:
+            m.self_attn.qkv_proj.quant_method = FourWords()
+        if with_mlp:
+            m.mlp = nn.Module()
+            m.mlp.gate_up_proj = ReplicatedLinear(64, 256, bias=False)
+            m.mlp.gate_up_proj.quant_method = FourWords()
+        return m
+
+    model = nn.ModuleList([layer(True, True), layer(False, True), layer(True, False)])
+    model.append(nn.Module())
+    model[3].input_layernorm = nn.LayerNorm(64)  # not an RMSNorm: never paired
+    model[3].self_attn = nn.Module()
+    model[3].self_attn.qkv_proj = model[0].self_attn.qkv_proj
+    assert pair_norm_outputs(model) == 4
+    assert [(m.input_layernorm.q8_wps, m.post_attention_layernorm.q8_wps)
+            for m in model[:3]] == [(4, 4), (4, 0), (0, 4)]
