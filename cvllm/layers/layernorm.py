@@ -21,7 +21,7 @@ from torch import nn
 
 from cvllm.distributed.comm import all_reduce_rms_norm, tensor_model_parallel_all_reduce
 from cvllm.layers.utils import copy_checked, default_weight_loader
-from cvllm.quantization.base import set_weight_attrs
+from cvllm.quantization.base import LinearMethodBase, set_weight_attrs
 
 
 def _use_triton(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
@@ -225,9 +225,9 @@ def pair_norm_outputs(model: nn.Module) -> int:
                 continue
             try:
                 method = layer.get_submodule(target).quant_method
-            except AttributeError:  # no such linear, or one without a quant method
+            except AttributeError:  # no such module, or one without a quant method
                 continue
-            wps = method.rounded_input()
+            wps = method.rounded_input() if isinstance(method, LinearMethodBase) else 0
             if wps:
                 norm.q8_wps = wps
                 paired += 1

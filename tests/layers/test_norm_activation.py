@@ -62,6 +62,9 @@ def test_pair_norm_outputs_marks_norms_before_int8_linears():
     model[3].input_layernorm = nn.LayerNorm(64)  # not an RMSNorm: never paired
     model[3].self_attn = nn.Module()
     model[3].self_attn.qkv_proj = model[0].self_attn.qkv_proj
-    assert pair_norm_outputs(model) == 4
+    model.append(layer(True, True))
+    model[4].mlp.gate_up_proj.quant_method = object()  # not a linear method (an MoE's)
+    assert pair_norm_outputs(model) == 5
     assert [(m.input_layernorm.q8_wps, m.post_attention_layernorm.q8_wps)
-            for m in model[:3]] == [(4, 4), (4, 0), (0, 4)]
+            for m in (model[0], model[1], model[2], model[4])] == [(4, 4), (4, 0), (0, 4),
+                                                                   (4, 0)]
