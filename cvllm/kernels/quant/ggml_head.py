@@ -11,8 +11,9 @@ rounding and written over the rounded ones: greedy choices and the top log-proba
 see the exact head, the rest of the distribution the int8 one.
 
 ``head_linear`` does that in four launches, all graph-safe (fixed shapes): the int8 GEMV,
-``topk_rows`` (two Triton kernels: each program's ``REFINE`` largest of its 1,024
-columns, then the row's from those) and the float GEMV on the chosen rows only, at the
+``topk_rows`` (two Triton kernels: each program's ``REFINE`` largest of its 2,048
+columns, then the row's from those; each by two small top-k's, over group maxima and then
+the chosen groups) and the float GEMV on the chosen rows only, at the
 tiles of the whole head, each written over its own logit: the exact path's values, bit
 for bit. Elsewhere (more rows, a type without the int8 GEMV, ``CVLLM_GGML_INT8_HEAD=0``)
 it is ``ggml_cuda.linear``: the exact float path.
@@ -38,8 +39,6 @@ _BLOCK = 2048
 """Columns a ``_topk_part_kernel`` program takes."""
 _GROUP = 16
 """Neighbouring keys whose largest stands for them in a top-k's first pass."""
-_NONE = -9223372036854775807 - 1
-"""The smallest int64: the key of a column past the row (never among the largest)."""
 
 
 @triton.jit
@@ -54,7 +53,8 @@ def _keys(v, cols):
 
 @triton.jit
 def _col_keys(row_ptr, cols, V):
-    """The keys of columns ``cols`` (any shape) of one row; past ``V``: ``_NONE``."""
+    """The keys of columns ``cols`` (any shape) of one row; past ``V``: the smallest
+    int64 (never among the largest)."""
     v = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
     return tl.where(cols < V, _keys(v, cols), -9223372036854775807 - 1)
 
