@@ -41,12 +41,15 @@ def activate(g, ACTIVATION: tl.constexpr):
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_out,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Row ``pid0``, columns ``pid1 * BLOCK ..``: ``out = act(x[:, :I]) * x[:, I:]``."""
     if PDL:
+        if EARLY:  # the next kernel's programs may take SMs already (pdl.early_trigger)
+            gdc_launch_dependents()
         gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
-        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+        if not EARLY:
+            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -79,7 +82,8 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x2, out.view(rows, inter), inter, x2.stride(0), inter,
-        ACTIVATION=ACTIVATIONS[activation], BLOCK=block, PDL=pdl.enabled(x), num_warps=4,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK=block, PDL=pdl.enabled(x),
+        EARLY=pdl.early_trigger(x, "act"), num_warps=4,
         **pdl.launch_args(x),
     )
     return out

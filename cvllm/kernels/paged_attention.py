@@ -35,7 +35,8 @@ Kernels:
 On Hopper the decode and merge kernels are launched with PDL and wait (``gdc_wait``)
 before they read what earlier kernels wrote: each is resident when the kernel before it
 ends (``kernels/pdl.py``). The decode kernel reads its sequence's length before the
-wait: a step input, copied in before the step's first kernel.
+wait (a step input, copied in before the step's first kernel), and its splits past the
+keys return before it, so they hold no SM slot while the kernels before finish.
 
 Scores are float32 throughout: ``s = scale * q.k``, then ``softcap * tanh(s / softcap)``,
 then the softmax in base 2.
@@ -270,7 +271,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
     FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_GM: tl.constexpr,
-    BLOCK_SM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
     of its visible keys ``[start, seq_len)``. ``FUSED_MERGE``: only the ``n_act`` splits
@@ -278,11 +279,6 @@ def _decode_kernel(
     itself, more take tickets and the last merges (``_merge_active``)."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if PDL:
-        gdc_wait()  # q and the cache come from the kernels before (launched with PDL)
-        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
-    if FP8:
-        scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
     start = 0
     if USE_WINDOW:
         start = tl.maximum(seq_len - window, 0)
@@ -292,7 +288,15 @@ def _decode_kernel(
     if FUSED_MERGE:  # splits past the keys: nothing to add (split 0 still writes zeros)
         n_act = tl.minimum(tl.cdiv(seq_len - start, split_len), num_splits)
         if split >= tl.maximum(n_act, 1):
-            return
+            return  # before the wait: an idle program does not hold its SM slot meanwhile
+    if PDL:
+        if EARLY:  # the GEMV's programs may take SMs already (pdl.early_trigger)
+            gdc_launch_dependents()
+        gdc_wait()  # q and the cache come from the kernels before (launched with PDL)
+        if not EARLY:
+            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
     offs_g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + offs_g  # [BLOCK_G]
     offs_d = tl.arange(0, BLOCK_D)
@@ -502,6 +506,7 @@ def decode_attention(
         # changes with the context compile no new variants.
         FP8=fp8, FUSED_MERGE=fused and not direct, PDL=pdl.enabled(q),
         BLOCK_GM=max(2, triton.next_power_of_2(group)), BLOCK_SM=merge_block_sm(group, D),
+        EARLY=pdl.early_trigger(q, "attn"),
         num_warps=_num_warps(D, _elt_bytes(q, k_cache)), num_stages=_STAGES,
         **pdl.launch_args(q),
     )

@@ -24,13 +24,27 @@ inputs, so what they gain is their launch: each one's programs are already resid
 when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms cost
 171 us of a 2,644 us graph replay when launched without it).
 
+Some of those small kernels trigger at entry instead, before their own wait
+(``early_trigger``, the sites in ``EARLY``): the RMSNorm before a QKV projection (and
+the final one, before the LM head) and the int8 rounding before the down projection.
+Their GEMV's programs then become resident and read their first weight tiles while the
+GEMV before the small kernel is still finishing, not only once it has: an 8B Q4_K
+batch-1 step on an H200 replays in 1,748 us against 1,830 with every trigger after its
+wait (docs/benchmarks/ablate-early-q4k-h200.json; bf16 3,848 against 3,872 us,
+ablate-early-bf16-h200.json). Only where the next GEMV's programs fit on the SMs in one
+wave: before gate_up (many waves) the early programs only sat on SM slots (+20 us); the
+rotary kernel's early trigger (the attention's programs resident during the QKV GEMV)
+cost 29 us and the attention's own (o_proj's) 10.
+
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
 kernel writes (weights, constants, step inputs copied in before the step's first kernel)
-and writes nothing; it triggers its dependents only after its own ``gdc_wait``. A kernel
-that has passed its wait then knows that every kernel before it on the stream has
-completed, with one exception: the pushed all-reduce (``kernels/allreduce.py``) triggers
-at entry and waits on no kernel, so past it one knows only that the pushing GEMV before
-it has passed its own wait and pushed all its values, not that its grid has exited.
+and writes nothing; it triggers its dependents after its own ``gdc_wait``, or (a small
+kernel at an ``EARLY`` site) at entry. A kernel that has passed its wait knows that
+every kernel before it on the stream has completed: the one just before it has, and
+that one completed only after its own wait. The one exception: the pushed all-reduce
+(``kernels/allreduce.py``) triggers at entry and waits on no kernel, so past it one knows
+only that the pushing GEMV before it has passed its own wait and pushed all its values,
+not that its grid has exited; a GEMV therefore always triggers after its wait.
 """
 
 from __future__ import annotations
@@ -68,6 +82,38 @@ def enabled(x: torch.Tensor) -> bool:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())
+
+
+SITES = ("qkv", "mlp", "norm", "rope", "q8", "act", "attn")
+"""The small PDL kernels that may trigger their dependents at entry (``early_trigger``):
+the RMSNorm before the attention's QKV projection (``qkv``), before the MLP's gate_up
+(``mlp``), any other RMSNorm (``norm``), the rotary + K/V write (``rope``), the int8
+rounding of the gated activation (``q8``), the gated activation (``act``), the decode
+attention (``attn``)."""
+
+
+def _sites(text: str) -> frozenset:
+    names = frozenset(t.strip() for t in text.split(",") if t.strip())
+    bad = names - set(SITES) - {"0"}
+    if bad:
+        raise ValueError(f"CVLLM_PDL_EARLY names unknown sites {sorted(bad)}; known: "
+                         f"{', '.join(SITES)} (or 0: none)")
+    return names - {"0"}
+
+
+EARLY = _sites(os.environ.get("CVLLM_PDL_EARLY", "qkv,q8,norm"))
+"""The sites (``SITES``) whose kernels trigger early; ``CVLLM_PDL_EARLY`` (a comma list,
+or 0 for none), read once. The default from the H200 sweep of ``tools/bench_ablate.py``
+(``early_*`` variants)."""
+
+
+def early_trigger(x: torch.Tensor, site: str) -> bool:
+    """Whether the small PDL kernel at ``site`` on ``x``'s device triggers its dependents
+    at entry (``EARLY``) instead of after its own ``gdc_wait`` (see the module docstring):
+    safe for any follower, whose ``gdc_wait`` returns only once this kernel has
+    completed, which it does only after its own wait; the one kernel that waits on
+    nothing (the pushed all-reduce) follows a GEMV, never one of these."""
+    return site in EARLY and enabled(x)
 
 
 _GRAPH_LAUNCHES = threading.local()

@@ -50,6 +50,7 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr, Q8_WPS: tl.constexpr, Q8_NSUB: tl.constexpr, ASM: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Row ``pid``: ``out = norm(x [+ res]) * w`` (see the module docstring for roundings);
     with HAS_RESIDUAL also ``res_out = x + res``. ``res_out`` may alias ``res`` and ``out``
@@ -63,8 +64,11 @@ def _rms_norm_kernel(
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
+        if EARLY:  # the next kernel's programs may take SMs already (pdl.early_trigger)
+            gdc_launch_dependents()
         gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
-        gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+        if not EARLY:
+            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -136,6 +140,7 @@ def rms_norm(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
     q8_wps: int = 0,
+    site: str = "norm",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``norm(x)`` or, with ``residual``, ``(norm(x + residual), x + residual)``; the
     contract of ``reference.rms_norm_ref``. ``x [.., N]``, ``weight [N]``; outputs in x's
@@ -164,7 +169,8 @@ def rms_norm(
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block, PDL=pdl.enabled(x),
             Q8_WPS=q8_wps if q8 else 0, Q8_NSUB=triton.next_power_of_2(hidden // 32) if q8
-            else 1, ASM=not _INTERPRETED, num_warps=min(max(block // 512, 1), 16),
+            else 1, ASM=not _INTERPRETED, EARLY=pdl.early_trigger(x, site),
+            num_warps=min(max(block // 512, 1), 16),
             **pdl.launch_args(x),
         )
         if q8:

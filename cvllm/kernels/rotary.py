@@ -220,6 +220,7 @@ def _rotary_write_kv_kernel(
     num_q_heads, num_kv_heads, half, head_dim, block_size, num_writes,
     IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_HD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Token ``pid``: ``_rotary_kernel``'s rotation of q and k, then (``pid <
     num_writes`` and its slot >= 0) ``_write_kv_kernel``'s store of k and v. With PDL,
@@ -233,8 +234,11 @@ def _rotary_write_kv_kernel(
     if t < num_writes:
         slot = tl.load(slot_ptr + t).to(tl.int64)
     if PDL:
+        if EARLY:  # the attention's programs may take SMs already (pdl.early_trigger)
+            gdc_launch_dependents()
         gdc_wait()  # q, k, v come from the kernel before (the QKV projection)
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, offs1, offs2, dmask,
                   BLOCK_H)
     # Padding rows (slot -1, or past num_writes) write nothing. A [1, 1] tile rather than
@@ -312,7 +316,7 @@ def rotary_write_kv(
         hq, hk, half, head_size, k_cache.shape[1], num_writes,
         IS_NEOX=is_neox_style, BLOCK_H=_block_heads(hq, block_d),
         BLOCK_KH=_block_heads(hk, block_hd),
-        BLOCK_D=block_d, BLOCK_HD=block_hd, FP8=fp8, PDL=pdl.enabled(query), num_warps=4,
-        **pdl.launch_args(query),
+        BLOCK_D=block_d, BLOCK_HD=block_hd, FP8=fp8, PDL=pdl.enabled(query),
+        EARLY=pdl.early_trigger(query, "rope"), num_warps=4, **pdl.launch_args(query),
     )
     return query, key

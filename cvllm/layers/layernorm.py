@@ -56,6 +56,9 @@ class RMSNorm(nn.Module):
         self.q8_wps = 0
         """4 or 8: a batch-1 output also carries its int8 form for the GGUF GEMV that
         reads it next (``pair_norm_outputs`` sets it; 0: never)."""
+        self.pdl_site = "norm"
+        """Which of ``kernels/pdl.SITES`` this norm's kernel is: ``qkv`` / ``mlp`` where
+        ``pair_norm_outputs`` found the linear it feeds, else ``norm``."""
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
@@ -76,7 +79,7 @@ class RMSNorm(nn.Module):
             from cvllm.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual,
-                            q8_wps=self.q8_wps)
+                            q8_wps=self.q8_wps, site=self.pdl_site)
         if residual is not None:
             x = x + residual
             residual = x
@@ -205,9 +208,10 @@ class PerHeadLayerNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype).reshape(T, H * D)
 
 
-_NORM_CONSUMERS = (("input_layernorm", "self_attn.qkv_proj"),
-                   ("post_attention_layernorm", "mlp.gate_up_proj"))
-"""(norm, the linear its output feeds) in the decoder layers that name them so."""
+_NORM_CONSUMERS = (("input_layernorm", "self_attn.qkv_proj", "qkv"),
+                   ("post_attention_layernorm", "mlp.gate_up_proj", "mlp"))
+"""(norm, the linear its output feeds, its PDL site) in the decoder layers that name them
+so."""
 
 
 def pair_norm_outputs(model: nn.Module) -> int:
@@ -219,7 +223,7 @@ def pair_norm_outputs(model: nn.Module) -> int:
     (``kernels/quant/q8form.attached_q8``). Returns how many norms were paired."""
     paired = 0
     for layer in model.modules():
-        for norm_name, target in _NORM_CONSUMERS:
+        for norm_name, target, site in _NORM_CONSUMERS:
             norm = layer._modules.get(norm_name)
             if type(norm) is not RMSNorm:
                 continue
@@ -227,6 +231,7 @@ def pair_norm_outputs(model: nn.Module) -> int:
                 method = layer.get_submodule(target).quant_method
             except AttributeError:  # no such module, or one without a quant method
                 continue
+            norm.pdl_site = site
             wps = method.rounded_input() if isinstance(method, LinearMethodBase) else 0
             if wps:
                 norm.q8_wps = wps

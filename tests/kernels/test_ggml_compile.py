@@ -106,7 +106,7 @@ def test_q8_kernel_compiles_for_sm90(wps):
         compiled = _compile(gk.ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32",
                                                 "s_ptr": "*fp32"},
                             dict(NSUB=32, EVEN_K=even_k, ASM=True, ACT=act, PDL=False,
-                                 WPS=wps))
+                                 WPS=wps, EARLY=False))
         ptx = compiled.asm["ptx"]
         # the 8-bit form stores one run of words, the 4-bit form two (xe, then xd)
         assert "st.global" in ptx
@@ -123,9 +123,34 @@ def test_rms_norm_with_int8_form_compiles_for_sm90(wps):
     for block, nsub in ((4096, 128), (1024, 32)):
         compiled = _compile(_rms_norm_kernel, pointers, dict(
             HAS_RESIDUAL=True, OFFSET=False, BLOCK=block, PDL=False, Q8_WPS=wps,
-            Q8_NSUB=nsub, ASM=True), num_warps=8)
+            Q8_NSUB=nsub, ASM=True, EARLY=False), num_warps=8)
         ptx = compiled.asm["ptx"]
         assert "dp4a" in ptx and "bar.sync" in ptx
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_small_pdl_kernels_trigger_where_told(early):
+    """``EARLY`` (``kernels/pdl.early_trigger``): the RMSNorm and the int8 rounding kernel
+    trigger their dependents before their own wait, else after it; the rounding kernel
+    reads nothing before its wait (the norm reads its weight)."""
+    from cvllm.kernels.rmsnorm import _rms_norm_kernel
+
+    pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                "res_out_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "eps": "fp32"}
+    norm = _compile(_rms_norm_kernel, pointers, dict(
+        HAS_RESIDUAL=True, OFFSET=False, BLOCK=4096, PDL=True, Q8_WPS=4, Q8_NSUB=128,
+        ASM=True, EARLY=early), num_warps=8, launch_pdl=True)
+    q8 = _compile(gk.ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32"},
+                  dict(NSUB=32, EVEN_K=True, ASM=True, ACT=1, PDL=True, WPS=4, EARLY=early),
+                  launch_pdl=True)
+    for compiled in (norm, q8):
+        ptx = compiled.asm["ptx"]
+        trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find(
+            "griddepcontrol.wait")
+        assert trigger >= 0 and wait >= 0
+        assert (trigger < wait) == early
+    ptx = q8.asm["ptx"]
+    assert ptx.find("ld.global") > ptx.find("griddepcontrol.wait")
 
 
 def _compile_mm(t, bm, bn, bk, warps, stages, split, swap):

@@ -68,3 +68,7 @@ def test_pair_norm_outputs_marks_norms_before_int8_linears():
     assert [(m.input_layernorm.q8_wps, m.post_attention_layernorm.q8_wps)
             for m in (model[0], model[1], model[2], model[4])] == [(4, 4), (4, 0), (0, 4),
                                                                    (4, 0)]
+    # the PDL site (kernels/pdl.early_trigger) names the linear found, whatever its method
+    assert [(m.input_layernorm.pdl_site, m.post_attention_layernorm.pdl_site)
+            for m in (model[0], model[1], model[2], model[4])] == [
+        ("qkv", "mlp"), ("qkv", "norm"), ("qkv", "mlp"), ("qkv", "mlp")]

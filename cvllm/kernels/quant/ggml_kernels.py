@@ -533,15 +533,18 @@ def q8_store(x_ptr, q_ptr, s_ptr, k0, K, NSUB: tl.constexpr, EVEN_K: tl.constexp
 @triton.jit
 def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.constexpr,
                    ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-                   WPS: tl.constexpr):
+                   WPS: tl.constexpr, EARLY: tl.constexpr):
     """One row of activations (``[K]``, or a ``[gate | up]`` row of ``2K`` with ``ACT``)
     in the int8 form ``ggml_gemv_i8_kernel`` reads with ``XQ`` (``q8_store``), for
     ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
     program."""
     k0 = tl.program_id(0) * NSUB * 32
     if PDL:
+        if EARLY:  # the GEMV's programs may take SMs already (pdl.early_trigger)
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
+        if not EARLY:
+            gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
     q8_store(x_ptr, q_ptr, s_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, WPS)
 
 

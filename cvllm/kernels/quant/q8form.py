@@ -58,6 +58,7 @@ def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
     steps = torch.empty(2, k // 32, dtype=torch.float32, device=x2.device)
     gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
         x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
-        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps, num_warps=4,
+        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps,
+        EARLY=pdl.early_trigger(x2, "q8"), num_warps=4,
         **pdl.launch_args(x2))
     return words, steps
