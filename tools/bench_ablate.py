@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -36,7 +37,7 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
     """Name -> a context manager that patches the launchers for that variant."""
     from cvllm.attention.backends import triton_backend as tb
     from cvllm.kernels import paged_attention as pa
-    from cvllm.kernels import rmsnorm
+    from cvllm.kernels import pdl, rmsnorm
     from cvllm.kernels.quant import ggml_cuda
 
     model = engine.runner.model
@@ -74,6 +75,14 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
         "no_split_gemv": lambda: p(ggml_cuda, "I8_SPLIT", False),
         "no_lm_head": lambda: p(model, "compute_logits", logits_off),
     }
+    # where the small PDL kernels trigger their dependents (kernels/pdl.py, EARLY):
+    # early_none, early_all, early_qkv, early_qkv+rope, ...
+    for combo in ("none", "all", "qkv", "qkv+q8", "qkv+rope", "qkv+mlp", "qkv+norm",
+                  "qkv+act", "qkv+attn", "qkv+q8+norm", "qkv+norm+act", "qkv+q8+norm+act",
+                  "qkv+q8+norm+rope", "qkv+q8+norm+attn", "qkv+q8+rope+norm+attn"):
+        sites = frozenset() if combo == "none" else frozenset(pdl.SITES) if combo == "all" \
+            else frozenset(combo.split("+"))
+        single["early_" + combo] = functools.partial(p, pdl, "EARLY", sites)
 
     @contextlib.contextmanager
     def gemv_only():
@@ -82,6 +91,28 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
             yield
 
     return {"base": contextlib.nullcontext, **single, "gemv_only": gemv_only}
+
+
+def plan_variant(name: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """``plan:NxK=BN/BK/WARPS/PREFETCH/SPLIT[;NxK=..]``: the int8 GEMV of those weight
+    shapes (``N x K``) tiled as given instead of as planned (``ggml_cuda.plan_gemv_i8``;
+    BK in elements, as the plan returns it)."""
+    from cvllm.kernels.quant import ggml_cuda
+
+    if not name.startswith("plan:"):
+        raise SystemExit(f"unknown variant {name!r}")
+    table = {}
+    for part in name[5:].split(";"):
+        shape, cfg = part.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        bn, bk, warps, prefetch, split = (int(v) for v in cfg.split("/"))
+        table[(n, k)] = (bn, bk, warps, bool(prefetch), split)
+    orig = ggml_cuda.plan_gemv_i8
+
+    def plan(n, k, num_sms, prequant=False, wps=4):
+        return table.get((n, k)) or orig(n, k, num_sms, prequant, wps)
+
+    return lambda: mock.patch.object(ggml_cuda, "plan_gemv_i8", plan)
 
 
 def replay_us(engine, patch, reps: int, rounds: int) -> float:
@@ -215,7 +246,8 @@ def main() -> int:
     rows = []
     base = None
     for name in names:
-        us = replay_us(engine, variants[name], args.reps, args.rounds)
+        patch = variants[name] if name in variants else plan_variant(name)
+        us = replay_us(engine, patch, args.reps, args.rounds)
         base = us if name == "base" else base
         row = {"variant": name, "replay_us": us}
         if base is not None:
