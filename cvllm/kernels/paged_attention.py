@@ -262,21 +262,18 @@ def _merge_active(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, n_act, num_splits
 @jit_per_step(ints=("split_len", "num_splits", "stride_bt"),
               pointers=("block_tables_ptr", "seq_lens_ptr", "ticket_ptr"))
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, ticket_ptr, k_scale_ptr, v_scale_ptr,
-    scale, softcap, window, block_size, split_len, num_splits, num_heads, head_dim,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-    DIRECT: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_F32: tl.constexpr,
-    FP8: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_GM: tl.constexpr,
-    BLOCK_SM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr, ticket_ptr, k_scale_ptr, v_scale_ptr, scale, softcap, window, block_size,
+    split_len, num_splits, num_heads, head_dim, stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_bt, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+    DIRECT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    IEEE_F32: tl.constexpr, FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_SM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Queries of the GROUP heads of KV head ``kvh`` of sequence ``b`` over split ``s``
-    of its visible keys ``[start, seq_len)``. ``FUSED_MERGE``: only the ``n_act`` splits
-    that hold keys take part (the others return at once); one of them writes ``out``
-    itself, more take tickets and the last merges (``_merge_active``)."""
+    """The GROUP query heads of KV head ``kvh``, sequence ``b``, over split ``s`` of its keys
+    ``[start, seq_len)``. ``FUSED_MERGE``: only the ``n_act`` splits holding keys take part
+    (the others return at once); one writes ``out`` itself, or the last of more merges."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = 0
