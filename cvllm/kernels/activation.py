@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.pdl import gdc_enter
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,12 +44,8 @@ def _act_and_mul_kernel(
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Row ``pid0``, columns ``pid1 * BLOCK ..``: ``out = act(x[:, :I]) * x[:, I:]``."""
-    if PDL:
-        if EARLY:  # the next kernel's programs may take SMs already (pdl.early_trigger)
-            gdc_launch_dependents()
-        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
-        if not EARLY:
-            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+    if PDL:  # x comes from the kernel before (this one is resident before it ends)
+        gdc_enter(EARLY)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from cvllm.kernels import pdl
 from cvllm.kernels.jit import jit_per_step
-from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.pdl import gdc_enter, gdc_launch_dependents, gdc_wait
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -286,12 +286,8 @@ def _decode_kernel(
         n_act = tl.minimum(tl.cdiv(seq_len - start, split_len), num_splits)
         if split >= tl.maximum(n_act, 1):
             return  # before the wait: an idle program does not hold its SM slot meanwhile
-    if PDL:
-        if EARLY:  # the GEMV's programs may take SMs already (pdl.early_trigger)
-            gdc_launch_dependents()
-        gdc_wait()  # q and the cache come from the kernels before (launched with PDL)
-        if not EARLY:
-            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+    if PDL:  # q and the cache come from the kernels before (launched with PDL)
+        gdc_enter(EARLY)
     if FP8:
         scale = scale * tl.load(k_scale_ptr)  # q.(k8 * ks) = (q.k8) * ks
     offs_g = tl.arange(0, BLOCK_G)

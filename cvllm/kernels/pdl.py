@@ -55,6 +55,8 @@ import os
 import threading
 
 import torch
+import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -114,6 +116,19 @@ def early_trigger(x: torch.Tensor, site: str) -> bool:
     completed, which it does only after its own wait; the one kernel that waits on
     nothing (the pushed all-reduce) follows a GEMV, never one of these."""
     return site in EARLY and enabled(x)
+
+
+@triton.jit
+def gdc_enter(EARLY: tl.constexpr):
+    """A PDL kernel's wait for the kernels before it (``gdc_wait``), with its trigger of
+    the kernels after it at entry (``EARLY``: ``early_trigger``) or right after the wait.
+    Call it under ``if PDL:`` (without PDL both do nothing, and an older Triton has
+    neither)."""
+    if EARLY:
+        gdc_launch_dependents()
+    gdc_wait()
+    if not EARLY:
+        gdc_launch_dependents()
 
 
 _GRAPH_LAUNCHES = threading.local()

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.pdl import gdc_enter
 from cvllm.kernels.quant.ggml_kernels import q8_store
 
 MAX_HIDDEN = 65536
@@ -63,12 +63,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        if EARLY:  # the next kernel's programs may take SMs already (pdl.early_trigger)
-            gdc_launch_dependents()
-        gdc_wait()  # x comes from the kernel before (this one is resident before it ends)
-        if not EARLY:
-            gdc_launch_dependents()  # a PDL GEMV after this may start loading its weights
+    if PDL:  # x comes from the kernel before (this one is resident before it ends)
+        gdc_enter(EARLY)
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:

@@ -36,7 +36,7 @@ import triton.language as tl
 from cvllm.kernels import pdl
 from cvllm.kernels.paged_attention import (_check_caches, _check_dtypes, _check_same_device,
                                            _scale_args, _to_e4m3_grid)
-from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.pdl import gdc_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -233,12 +233,8 @@ def _rotary_write_kv_kernel(
     slot = tl.full([], -1, tl.int64)
     if t < num_writes:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-    if PDL:
-        if EARLY:  # the attention's programs may take SMs already (pdl.early_trigger)
-            gdc_launch_dependents()
-        gdc_wait()  # q, k, v come from the kernel before (the QKV projection)
-        if not EARLY:
-            gdc_launch_dependents()
+    if PDL:  # q, k, v come from the kernel before (the QKV projection)
+        gdc_enter(EARLY)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, offs1, offs2, dmask,
                   BLOCK_H)
     # Padding rows (slot -1, or past num_writes) write nothing. A [1, 1] tile rather than

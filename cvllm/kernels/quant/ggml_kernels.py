@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels.gemv import load_act_x
-from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
+from cvllm.kernels.pdl import gdc_enter, gdc_launch_dependents, gdc_wait
 from cvllm.kernels.quant.ggml_tiles import (field_shift, field_values, load_tile, tile_prep,
                                             tile_scales, tile_weights, unpack_dd, unpack_scm)
 
@@ -539,12 +539,8 @@ def ggml_q8_kernel(x_ptr, q_ptr, s_ptr, K, NSUB: tl.constexpr, EVEN_K: tl.conste
     ``NSUB`` sub-blocks a program. Rounded once here instead of once in every GEMV
     program."""
     k0 = tl.program_id(0) * NSUB * 32
-    if PDL:
-        if EARLY:  # the GEMV's programs may take SMs already (pdl.early_trigger)
-            gdc_launch_dependents()
-        gdc_wait()
-        if not EARLY:
-            gdc_launch_dependents()  # the GEMV's first weight tile is read meanwhile
+    if PDL:  # x comes from the GEMV before; the next one's first weight tile is read meanwhile
+        gdc_enter(EARLY)
     q8_store(x_ptr, q_ptr, s_ptr, k0, K, NSUB, EVEN_K, ASM, ACT, WPS)
 
 
