@@ -37,6 +37,7 @@ import triton.language as tl
 from cvllm.kernels import pdl
 from cvllm.kernels.pdl import gdc_enter
 from cvllm.kernels.quant.ggml_kernels import q8_store
+from cvllm.kernels.quant.q8form import attach_q8, q8_buffers
 
 MAX_HIDDEN = 65536
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
@@ -157,9 +158,8 @@ def rms_norm(
         q8 = q8_wps in (4, 8) and x2.shape[0] == 1 and hidden % 32 == 0 and x.dtype in (
             torch.float16, torch.bfloat16)
         words = steps = o2
-        if q8:  # q8form.quantize_q8's buffers
-            words = torch.empty(2, hidden // 8, dtype=torch.int32, device=x.device)
-            steps = torch.empty(2, hidden // 32, dtype=torch.float32, device=x.device)
+        if q8:
+            words, steps = q8_buffers(hidden, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, o2, ro2, words, steps, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
@@ -170,7 +170,5 @@ def rms_norm(
             **pdl.launch_args(x),
         )
         if q8:
-            from cvllm.kernels.quant.q8form import attach_q8
-
             attach_q8(out, q8_wps, words, steps)
     return out if residual is None else (out, residual_out)

@@ -48,14 +48,20 @@ Q8_NSUB = 32
 elements a thread at 4 warps."""
 
 
+def q8_buffers(k: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(words [2, K / 8] int32, steps [2, K / 32] float32)``: the int8 form of a
+    row of ``K`` (``quantize_q8``'s, the RMSNorm kernel's)."""
+    return (torch.empty(2, k // 8, dtype=torch.int32, device=device),
+            torch.empty(2, k // 32, dtype=torch.float32, device=device))
+
+
 def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One row ``x2 [1, K]`` (``[1, 2K]`` gate_up with ``act``) in ``ggml_gemv_i8_kernel``'s
     int8 form for weights of ``wps`` words a sub-block: words ``[2, K / 8]`` int32 (one
     run of ``K / 4`` for ``wps`` 8) and steps ``[2, K / 32]`` float32
     (``ggml_kernels.ggml_q8_kernel``; K a multiple of 32)."""
-    words = torch.empty(2, k // 8, dtype=torch.int32, device=x2.device)
-    steps = torch.empty(2, k // 32, dtype=torch.float32, device=x2.device)
+    words, steps = q8_buffers(k, x2.device)
     gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
         x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
         ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps,
