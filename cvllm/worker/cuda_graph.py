@@ -49,6 +49,11 @@ logger = logging.getLogger("cvllm.worker")
 CAPTURE_SIZE_LIMIT = 512
 """Largest batch captured (vLLM's default): bigger decode batches run eagerly, unpadded."""
 
+OWN_LOGITS_ROWS = 8
+"""Decode graphs of up to this many rows keep their own logits in the pool (4 MiB at 8
+rows of a 128k vocabulary, float32) instead of copying them into the shared buffer: the
+copy was a kernel of 2.7 us at the end of every batch-1 step (8B, H200)."""
+
 GRAPH_SAFE_BACKENDS = ("triton",)
 """Attention backends that take every size from the metadata's host ints and never read
 its host arrays, so one capture serves every step of its size."""
@@ -229,11 +234,13 @@ class CudaGraphRunner:
         self._metadata: Dict[int, AttentionMetadata] = {}
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
-        """Each graph's logits ``[bs, V]``: rows of one static buffer, rewritten by every
-        replay of any size. Each graph copies its logits there, so the pool keeps no
-        per-size logits (they were most of it: the decode graphs of an 8B Llama 3 at
-        Q4_K and 256 sequences took 3,338 MiB with them, 1,334 MiB without, H200). Safe as a size's own output was: a step's logits are read on the
-        stream before the next step is launched."""
+        """Each graph's logits ``[bs, V]``. Above ``OWN_LOGITS_ROWS`` rows: rows of one
+        static buffer, rewritten by every replay of any such size; each of those graphs
+        copies its logits there, so the pool keeps no per-size logits (they were most of
+        it: the decode graphs of an 8B Llama 3 at Q4_K and 256 sequences took 3,338 MiB
+        with them, 1,334 MiB without, H200). Safe as a size's own output: a step's
+        logits are read on the stream before the next step is launched. Smaller graphs
+        keep their own, rewritten by their next replay."""
         self._logits: Optional[torch.Tensor] = None
         self.pool = None
         """The graphs' memory pool once captured (the mixed-step graphs share it)."""
@@ -306,16 +313,19 @@ class CudaGraphRunner:
         def capture_one(bs: int) -> None:
             with pdl.graph_launches():  # the launch options the capture will use
                 warm = self._forward(bs)  # warm-up: compiles kernels, moves lazy buffers
-                if self._logits is None:  # the largest size's, outside the pool
+                if self._logits is None and bs > OWN_LOGITS_ROWS:  # the largest, outside the pool
                     self._logits = torch.empty((self.sizes[-1],) + warm.shape[1:],
                                                dtype=warm.dtype, device=warm.device)
                 del warm
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            shared = self._logits[:bs]
             with torch.cuda.graph(graph, pool=pool):
-                shared.copy_(self._forward(bs))  # the size's own logits die in the pool
-            self.graphs[bs], self.outputs[bs] = graph, shared
+                if bs <= OWN_LOGITS_ROWS:
+                    out = self._forward(bs)  # kept in the pool
+                else:
+                    out = self._logits[:bs]
+                    out.copy_(self._forward(bs))  # the size's own logits die in the pool
+            self.graphs[bs], self.outputs[bs] = graph, out
 
         if not capture_agreed(self.sizes, capture_one, "decode steps run eagerly"):
             fast = custom_allreduce.active()
