@@ -10,7 +10,8 @@ that runner for the life of the engine. It owns:
 - one ``AttentionMetadata`` per capture size, built once from views of those buffers (no
   host sync, no copy: the graph reads whatever the buffers hold at replay);
 - one ``torch.cuda.CUDAGraph`` per capture size (largest captured first, all sharing one
-  memory pool), each copying its logits into rows of one static ``[max_bs, V]`` buffer.
+  memory pool), each above ``OWN_LOGITS_ROWS`` rows copying its logits into rows of one
+  static ``[max_bs, V]`` buffer (the smaller ones keep their own).
 
 A step runs here when every sequence decodes one token and the batch fits a capture
 size (``padded_size``): ``run`` stages the step into the buffers, pads rows ``B..bs-1``
