@@ -98,18 +98,26 @@ def _row_stats_combine_kernel(
     tl.store(lse_ptr + row, lse)
 
 
-def row_stats(logits: torch.Tensor):
+def row_stats(logits: torch.Tensor, out: Optional[tuple] = None):
     """``logits [S, V]`` float32 -> ``(max [S] float32, argmax [S] int64, lse [S] float32)``:
     ``torch.max(dim=-1)`` (first index on ties) and ``torch.logsumexp(dim=-1)`` of finite
-    or infinite logits (NaN is not handled: logits never hold it)."""
+    or infinite logits (NaN is not handled: logits never hold it). ``out``: the three
+    contiguous ``[S]`` tensors to write (a CUDA graph's static outputs)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V]; got {tuple(logits.shape)}")
     _check_matrix("logits", logits, logits, (torch.float32,))
     num_rows, vocab = logits.shape
     dev = logits.device
-    row_max = torch.empty(num_rows, dtype=torch.float32, device=dev)
-    arg = torch.empty(num_rows, dtype=torch.int64, device=dev)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    if out is None:
+        row_max = torch.empty(num_rows, dtype=torch.float32, device=dev)
+        arg = torch.empty(num_rows, dtype=torch.int64, device=dev)
+        lse = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    else:
+        row_max, arg, lse = out
+        for t, dt in zip(out, (torch.float32, torch.int64, torch.float32)):
+            if t.shape != (num_rows,) or t.dtype != dt or t.device != dev or not t.is_contiguous():
+                raise ValueError(f"row_stats outputs must be contiguous [{num_rows}] "
+                                 f"(float32, int64, float32) on {dev}")
     if num_rows == 0:
         return row_max, arg, lse
     if vocab == 0:

@@ -295,11 +295,14 @@ class Sampler(torch.nn.Module):
         """Generator for rows without a seed; None uses torch's default for the device."""
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
-                num_logprobs: int = 0, logprobs: bool = True) -> SamplerOutput:
+                num_logprobs: int = 0, logprobs: bool = True,
+                stats: Optional[tuple] = None) -> SamplerOutput:
         """``logits`` [S, V] float32 is not modified in place. ``logprobs`` False: no row
         wants them, so none are computed (on the CPU that skips the normaliser, a pass
         over [S, V]: 0.4 ms a step for the default model's 49k vocabulary; on CUDA two
-        launches) and none are returned."""
+        launches) and none are returned. ``stats`` (CUDA): ``row_stats(logits)`` made
+        already (a decode graph's last kernels); an all-greedy step then launches
+        nothing, its ids are ``stats[1]``."""
         if logits.dim() != 2 or logits.shape[0] != t.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {t.num_rows} rows")
         raw = logits
@@ -307,9 +310,12 @@ class Sampler(torch.nn.Module):
             from cvllm.kernels.sampling import row_stats
 
             raw = logits.float()
+            if stats is not None and any(s.shape != (t.num_rows,) for s in stats):
+                raise ValueError(f"stats {[tuple(s.shape) for s in stats]} do not match "
+                                 f"{t.num_rows} rows")
             # One pass gives the row max, greedy tokens and logprob normaliser (torch's
             # single-row argmax / logsumexp are slow at batch 1); sampling reuses them.
-            stats = row_stats(raw)  # (max, argmax, lse), each [S]
+            stats = row_stats(raw) if stats is None else stats  # (max, argmax, lse), each [S]
             sampled = self._sample_on_gpu(raw, t, stats)
             if not logprobs and not num_logprobs:  # no gather and subtract to launch
                 return SamplerOutput(sampled=sampled, logprobs=None)

@@ -200,6 +200,7 @@ class ModelRunner:
             max_model_len=self.config.model.max_model_len,
             block_size=self.config.cache.block_size, windows=self.kv_layout.windows,
             device=self.device, capture=not self.config.disable_cuda_graph,
+            sampled_rows=sched.max_num_seqs,
         )
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         graphs.capture()
@@ -275,8 +276,10 @@ class ModelRunner:
         bs = self.graphs.padded_size(step) if self.graphs is not None else None
         tokens = self.mixed.padded_size(step) if bs is None and self.mixed is not None else None
         S = len(step.logits_indices)
-        if bs is not None:  # every row samples; the LM head ran in the graph
+        stats = inputs = None
+        if bs is not None:  # every row samples; the LM head and row_stats ran in the graph
             logits = self.graphs.run(step, bs, prev)[:S]  # [S, V] float32
+            stats, inputs = self.graphs.stats(S), self.graphs.buffers.input_ids[:bs]
         elif tokens is not None:  # [tokens, hidden]: rows past the step's are padding
             hidden = self.mixed.run(step, tokens, self._build_metadata(step), prev)
         else:
@@ -291,8 +294,8 @@ class ModelRunner:
             self._prev_sampled = self._receive_sampled(len(step.logits_indices))
             return PendingStep(None)
         if defer_sampling:
-            return DeferredSampling(self, logits, step, sampling, prev)
-        return self._sample(logits, step, sampling, prev)
+            return DeferredSampling(self, logits, step, sampling, prev, stats, inputs)
+        return self._sample(logits, step, sampling, prev, stats, inputs)
 
     def _receive_sampled(self, S: int) -> torch.Tensor:
         """Rank 0's sampled ids of this step ([S] int64, device), for the next step's
@@ -376,7 +379,11 @@ class ModelRunner:
                 t.index_fill_(0, fresh, 0)
 
     def _sample(self, logits: torch.Tensor, step: StepInput, sampling: SamplingBatch,
-                prev: Optional[torch.Tensor] = None) -> "PendingStep":
+                prev: Optional[torch.Tensor] = None, stats: Optional[tuple] = None,
+                inputs: Optional[torch.Tensor] = None) -> "PendingStep":
+        """``stats``: the graph's ``row_stats`` of ``logits``; ``inputs``: the padded
+        step's input ids, placeholders patched (the graph overwrote ``prev`` with this
+        step's greedy ids)."""
         if sampling.num_rows != logits.shape[0]:
             raise StepInputError(f"step {step.step_id} samples {logits.shape[0]} rows, its "
                                  f"sampling batch has {sampling.num_rows}")
@@ -395,9 +402,10 @@ class ModelRunner:
             mask_rows=sampling.mask_rows, bitmask=sampling.bitmask,
         )
         if prev is not None and tensors.output_counts is not None:
-            _count_pending_tokens(tensors.output_counts, step, prev)
+            _count_pending_tokens(tensors.output_counts, step, prev, inputs)
         want, num_logprobs = sampling.want_logprobs, sampling.num_logprobs
-        out = self.sampler(logits, tensors, num_logprobs=num_logprobs, logprobs=want)
+        out = self.sampler(logits, tensors, num_logprobs=num_logprobs, logprobs=want,
+                           stats=stats)
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             from cvllm.distributed import comm  # every rank patches the next placeholders
 
@@ -412,8 +420,9 @@ class DeferredSampling:
     ``sample`` comes before the next ``launch``."""
 
     def __init__(self, runner: ModelRunner, logits: torch.Tensor, step: StepInput,
-                 sampling: SamplingBatch, prev: Optional[torch.Tensor]):
-        self._args = (logits, step, sampling, prev)
+                 sampling: SamplingBatch, prev: Optional[torch.Tensor],
+                 stats: Optional[tuple] = None, inputs: Optional[torch.Tensor] = None):
+        self._args = (logits, step, sampling, prev, stats, inputs)
         self._runner = runner
         self.sampling = sampling
         """Its ``set_bitmask`` may be called until ``sample``."""
@@ -438,16 +447,21 @@ class PendingStep:
 
 
 def _count_pending_tokens(output_counts: torch.Tensor, step: StepInput,
-                          prev: torch.Tensor) -> None:
+                          prev: torch.Tensor, inputs: Optional[torch.Tensor] = None) -> None:
     """Penalties in the overlapped loop: a row whose input token is the previous step's
     placeholder has that token in its history too, but only on the device; add it to the
-    row's counts (``output_counts [S, V]``, built from the known ids) without a sync."""
+    row's counts (``output_counts [S, V]``, built from the known ids) without a sync.
+    The ids come from ``prev`` at the placeholder rows or, given ``inputs`` (the step's
+    patched input ids), from the sampling rows' own tokens."""
     rows = step.prev_rows[step.logits_indices]  # [S]: the previous step's row, or -1
     which = np.nonzero(rows >= 0)[0]
     if which.size == 0:
         return
     dev = output_counts.device
-    ids = prev[to_device(rows[which], dev, torch.int64)]  # [P]
+    if inputs is not None:
+        ids = inputs[to_device(step.logits_indices[which], dev, torch.int64)]  # [P]
+    else:
+        ids = prev[to_device(rows[which], dev, torch.int64)]  # [P]
     at = to_device(which, dev, torch.int64)  # [P]
     output_counts.index_put_((at, ids), torch.ones_like(ids, dtype=output_counts.dtype),
                              accumulate=True)

@@ -7,6 +7,8 @@ Gemma 2: sliding and full layers, two groups, softcaps), served from their folde
   the capture sizes, greedy and seeded sampling), and every replay's hidden states equal
   the same padded step launched eagerly, bit for bit. Every size's logits are rows of
   one static buffer.
+- Greedy decode steps take the graph's argmax; penalized rows count their placeholder
+  token from the patched inputs, and the overlapped loop equals the synchronous one.
 - The Triton engine matches the torch reference engine: greedy tokens in float32, the
   first step's logits in bf16.
 - Without --mem, the cache is sized from the profile and a budget too small for one
@@ -69,8 +71,10 @@ def _check_replays_against_eager(graphs, limit=40):
     def checked(step, bs, prev=None):
         out = run(step, bs, prev)
         if bs in graphs.graphs and len(seen) < limit:
-            replayed = out.clone()
+            replayed, rows = out.clone(), graphs.buffers.prev_rows[:bs].clone()
+            graphs.buffers.prev_rows[:bs] = -1  # the replay patched the ids in place already
             eager = graphs._forward(bs)
+            graphs.buffers.prev_rows[:bs] = rows
             B = int(step.seq_lens.shape[0])
             assert torch.equal(replayed[:B], eager[:B]), f"replay != eager at {B} -> {bs}"
         seen.append((int(step.seq_lens.shape[0]), bs))
@@ -133,6 +137,38 @@ def test_triton_engine_matches_torch_ref_engine(tmp_path, family):
     torch.testing.assert_close(got, want, atol=0.02 * scale, rtol=0)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+def test_graph_steps_sample_in_the_graph_and_count_placeholders_for_penalties(tmp_path):
+    """A greedy decode step's ids are the graph's own argmax (``buffers.sampled``, where
+    the next step's placeholders are patched from); a penalized row recomputes them, and
+    in the overlapped loop counts its placeholder token from the step's patched inputs
+    (the graph has overwritten the previous ids): the overlapped loop gives the tokens
+    of the one-step-at-a-time loop. One request at a time, so every step has one shape."""
+    folder = write_tiny_llama(tmp_path)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    penal = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                           repetition_penalty=1.3, frequency_penalty=-2.0, presence_penalty=-2.0)
+    llm = _llm(folder, dtype="f32")
+    engine, runner = llm.engine, llm.engine.runner
+    buf, forward, seen = runner.graphs.buffers.sampled, runner.sampler.forward, []
+
+    def recording(logits, t, *a, stats=None, **k):
+        out = forward(logits, t, *a, stats=stats, **k)
+        seen.append((stats is not None, out.sampled.data_ptr() == buf.data_ptr()))
+        return out
+
+    runner.sampler.forward = recording
+    tokens = {}
+    for overlap in (True, False):
+        engine.overlap = overlap
+        tokens[overlap] = [llm.generate([p], sp)[0].token_ids
+                           for p in _prompts()[:3] for sp in (plain, penal)]
+    assert tokens[True] == tokens[False]
+    assert tokens[True][0::2] != tokens[True][1::2]  # the penalties changed something
+    assert (True, True) in seen and (True, False) in seen and (False, False) in seen, set(seen)
+    del llm, engine, runner
+    _release()
 
 
 def test_cache_is_sized_from_the_profile_and_too_small_is_refused(tmp_path):

@@ -185,6 +185,13 @@ def check_row_stats(S=5, V=9000, device="cpu", seed=0):
     torch.testing.assert_close(lse.cpu(), x.logsumexp(dim=-1).cpu(), atol=1e-5, rtol=1e-6)
     if S > 3:
         assert lse[3].item() == float("-inf") and arg[3].item() == 0
+    # Written into given outputs (a CUDA graph's static buffers): the same values.
+    out = (torch.zeros(S, device=device), torch.zeros(S, dtype=torch.int64, device=device),
+           torch.zeros(S, device=device))
+    assert all(o is r for o, r in zip(row_stats(x, out=out), out))
+    assert all(torch.equal(o, r) for o, r in zip(out, (m, arg, lse)))
+    with pytest.raises(ValueError, match="outputs must be"):
+        row_stats(x, out=(out[0], out[1].int(), out[2]))
 
 
 CPU_SAMPLE = [dict(mode="race", V=5000, S=6), dict(mode="race", seed=1),

@@ -85,12 +85,18 @@ def _buffers():
     return cg.DecodeBuffers(max_bs=8, max_blocks=64 // BS, num_groups=2, device=CPU)
 
 
-def test_staging_pads_rows_so_they_write_and_read_nothing():
+@pytest.mark.parametrize("direct", [True, False])
+def test_staging_pads_rows_so_they_write_and_read_nothing(monkeypatch, direct):
+    """Narrow steps copy their block tables into place with the other inputs (one copy);
+    wide ones (here: every step, the limit set to 0) copy them compact and spread them."""
+    if not direct:
+        monkeypatch.setattr(cg, "DIRECT_TABLE_BYTES", 0)
     kv = KVCacheManager.from_layout(_layout())
     step = _decode_step(kv, [20, 3, 33])
     assert (step.group_block_tables[0] == -1).any()  # freed sliding blocks
     b = _buffers()
     b.load(step, 4)
+    assert b.num_copies == (1 if direct else 2)
     assert b.input_ids[:4].tolist() == step.input_ids.tolist() + [0]
     assert b.positions[:4].tolist() == [19, 2, 32, 0]
     assert b.seq_lens[:4].tolist() == [20, 3, 33, 0]
@@ -106,6 +112,34 @@ def test_staging_pads_rows_so_they_write_and_read_nothing():
     assert b.seq_lens[:2].tolist() == [9, 0]
     assert b.slot_mapping[0][:2].tolist() == [step2.slot_mapping[0], -1]
     assert b.slot_mapping[1][1].item() == -1
+
+
+def test_previous_ids_are_put_where_the_forward_patches_from():
+    b = _buffers()
+    b.take_prev(torch.tensor([5, 6, 7]))
+    assert b.sampled[:3].tolist() == [5, 6, 7]
+    b.take_prev(b.sampled[:3])  # already there (a greedy step sampled in the graph)
+    assert b.sampled[:3].tolist() == [5, 6, 7]
+    with pytest.raises(Exception, match="sampled 9 rows"):
+        b.take_prev(torch.zeros(9, dtype=torch.int64))
+    assert cg.DecodeBuffers(8, 8, 1, CPU, sampled_rows=12).sampled.shape == (12,)
+
+
+def test_pending_tokens_counted_from_patched_inputs_equal_those_from_prev():
+    """Penalties in the overlapped loop: a decode graph overwrites the previous ids with
+    its own greedy ids, so the runner counts the placeholders' tokens from the step's
+    patched inputs instead; both give the same counts."""
+    kv = KVCacheManager.from_layout(_layout())
+    step = _decode_step(kv, [20, 3, 33])
+    step.prev_rows[:] = [1, -1, 0]
+    prev = torch.tensor([11, 22])
+    inputs = cg.patch_placeholders(torch.as_tensor(step.input_ids), torch.as_tensor(step.prev_rows),
+                                   prev)
+    counts = [torch.zeros(3, 40) for _ in range(2)]
+    mr._count_pending_tokens(counts[0], step, prev)
+    mr._count_pending_tokens(counts[1], step, prev, inputs)
+    assert torch.equal(counts[0], counts[1])
+    assert counts[0][0, 22] == 1 and counts[0][2, 11] == 1 and counts[0].sum() == 2
 
 
 def test_staging_refuses_steps_that_do_not_fit():
