@@ -118,7 +118,9 @@ class ModelRunner:
                                           max_model_len=config.model.max_model_len)
             logger.info("prefill kernels warmed up in %.1f s", secs)
         reset_kv_scales(self.kv_caches)  # FP8: the first real prefill calibrates, not warm-up
-        self.sampler = Sampler()
+        # Rows without a seed of their own draw from this generator: the same --seed, the
+        # same requests, the same tokens (as vLLM's seed), run after run.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.output_copy = OutputCopy(self.device)
         self._prev_sampled: Optional[torch.Tensor] = None
         """The last launched step's sampled ids ([S] int64, device), for placeholders."""
