@@ -82,9 +82,9 @@ def save_tiny_qwen3_moe(folder: Path) -> Path:
 
 
 def generate_args(model_args: Sequence[str], prompts: Sequence[str], max_tokens: int,
-                  chat: bool = False) -> List[str]:
+                  chat: bool = False, logprobs: int = 0) -> List[str]:
     args = ["generate", *model_args, *COMMON, "--max-tokens", str(max_tokens), "--json",
-            "--chat" if chat else "--no-chat"]
+            "--chat" if chat else "--no-chat", "--logprobs", str(logprobs)]
     for p in prompts:
         args += ["--prompt", p]
     return args
@@ -99,11 +99,38 @@ def run_generate(prefix: Sequence[str], args: Sequence[str], timeout: float = 12
                           env=env or mpi_env(), cwd=str(Path(__file__).resolve().parents[2]))
 
 
-def token_ids(proc: subprocess.CompletedProcess) -> List[List[int]]:
+def json_rows(proc: subprocess.CompletedProcess) -> List[dict]:
+    """The ``generate --json`` objects, one per prompt."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, f"no JSON output\n{proc.stderr[-4000:]}"
-    return [r["token_ids"] for r in rows]
+    return rows
+
+
+def token_ids(proc: subprocess.CompletedProcess) -> List[List[int]]:
+    return [r["token_ids"] for r in json_rows(proc)]
+
+
+def assert_greedy_within_near_tie(ref: List[dict], got: List[dict], tol: float) -> None:
+    """Greedy generations (``generate --json --logprobs k`` rows) that may part only at a
+    near-tie: tokens equal up to the first position where they differ, each equal
+    token's log-probability within ``tol`` of the reference's; at that position each
+    side's token is in the other side's top-k, less likely than that side's own token by
+    at most ``tol``. After it the texts are free to differ (their contexts do)."""
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        a, b = r["token_ids"], g["token_ids"]
+        n = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        for j in range(n):
+            assert abs(r["logprobs"][j] - g["logprobs"][j]) <= tol, (j, a, b)
+        if n == len(a) == len(b):
+            continue
+        assert n < min(len(a), len(b)), f"same tokens, other lengths: {a} {b}"
+        top_r = {t: lp for t, lp in r["top_logprobs"][n]}
+        top_g = {t: lp for t, lp in g["top_logprobs"][n]}
+        assert b[n] in top_r and a[n] in top_g, f"not a near-tie at {n}: {a} {b}"
+        assert top_r[a[n]] - top_r[b[n]] <= tol, (n, top_r, a, b)
+        assert top_g[b[n]] - top_g[a[n]] <= tol, (n, top_g, a, b)
 
 
 class Server:
