@@ -1,4 +1,4 @@
-"""The layer table of shared/DESIGN.md, checked on the source: a module imports only from
+"""The layer table of docs/architecture.md, checked on the source: a module imports only from
 its own layer or the layers below it (lazy imports inside functions count too), and
 ``core/`` and ``server/`` never import torch or triton.
 
