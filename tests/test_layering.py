@@ -17,7 +17,8 @@ RANK = {
     "layers": 6, "models": 7, "loader": 8, "worker": 9, "engine": 10, "runtime": 11,
     "server": 12, "cli": 13, "__main__": 13,
 }
-"""DESIGN's rows, bottom first; one rank per row (attention and quantization share one)."""
+"""docs/architecture.md's layer table ("Layers"), bottom first; one rank per row (attention
+and quantization share one)."""
 
 ALLOWED = {
     ("cvllm.distributed.custom_allreduce", "cvllm.kernels"):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible aiohttp application, and helpers to run it.
 
 ``build_app(engine, settings)`` is called once by the CLI on rank 0. The engine is
-duck-typed (``AsyncEngine`` in docs/interfaces.md) so this package never imports torch.
+duck-typed (``AsyncEngine``, engine/async_engine.py) so this package never imports torch.
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}],
 GET /health, GET /metrics.
 

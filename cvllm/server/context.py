@@ -66,7 +66,7 @@ class ServerSettings:
 @dataclass
 class ServerContext:
     engine: Any
-    """Duck-typed ``AsyncEngine`` (see docs/interfaces.md); never imported here."""
+    """Duck-typed ``AsyncEngine`` (see engine/async_engine.py); never imported here."""
     settings: ServerSettings
     mcp: Any = None
     """Duck-typed ``chat.mcp.McpManager`` whose tools chat requests are offered, or None.

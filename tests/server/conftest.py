@@ -1,6 +1,6 @@
 """Fixtures for the server tests: a character-level FakeEngine and an async test runner.
 
-The FakeEngine follows the AsyncEngine contract in docs/interfaces.md without torch: one
+The FakeEngine follows the AsyncEngine contract (engine/async_engine.py) without torch: one
 token per character (token id = code point), and "generation" echoes the prompt text
 back one character per step, then stops (like an EOS) unless ``ignore_eos`` is set.
 """
