@@ -24,7 +24,7 @@ from cvllm.server.errors import ApiError
 from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
 from cvllm.server.responses import cached_prompt_tokens
-from cvllm.server.sse import SSEStream
+from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
 
 logger = logging.getLogger("cvllm.server.agent")
 
@@ -33,8 +33,6 @@ async def agent_chat(request: web.Request, ctx: ServerContext, req: Any, plan: C
                      shapes: ChatShapes, kwargs: dict,
                      prompt: Tuple[str, List[int]]) -> web.StreamResponse:
     """Answer a chat request through parsers (and MCP rounds when MCP tools are offered)."""
-    from cvllm.server.handlers import cancel_on_disconnect  # the handlers import us
-
     defaults, max_len = ctx.engine.default_params(), ctx.engine.max_model_len
 
     def params_for(prompt_len: int, index: int):
@@ -122,8 +120,6 @@ async def _full(runs: Sequence[ChoiceRun], shapes: ChatShapes) -> web.Response:
 
 async def _stream(request: web.Request, runs: Sequence[ChoiceRun],
                   shapes: ChatShapes) -> web.StreamResponse:
-    from cvllm.server.handlers import stream_error
-
     sse = SSEStream(request)
     try:
         await sse.prepare()

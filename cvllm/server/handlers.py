@@ -9,17 +9,15 @@ request with tools, MCP tools or a reasoning parser goes through ``chat_flow`` i
 (its ``ChatPlan`` from ``agent_plan`` says so); plain chats keep this text path.
 The ``GenerationGroup`` is closed in a ``finally``, so a client that disconnects or an
 error aborts whatever is still running in the engine. A vanished client is noticed by
-``cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was given
-``handler_cancellation=True``, which ``web.run_app`` does not do by default).
+``sse.cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was
+given ``handler_cancellation=True``, which ``web.run_app`` does not do by default).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import uuid
-from typing import AsyncIterator, List, Optional, Union
+from typing import List, Optional, Union
 
 from aiohttp import web
 
@@ -28,13 +26,13 @@ from cvllm.server.chat import ChatShapes, parse_chat_request
 from cvllm.server.chat_flow import agent_chat
 from cvllm.server.completions import CompletionShapes, parse_completion_request
 from cvllm.server.context import CONTEXT_KEY, ServerContext
-from cvllm.server.errors import ApiError, error_body
+from cvllm.server.errors import ApiError
 from cvllm.server.generation import ChoiceState, GenerationGroup
 from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
 from cvllm.server.request_body import parse_json_body
 from cvllm.server.responses import cached_prompt_tokens
-from cvllm.server.sse import SSEStream
+from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -129,35 +127,6 @@ async def _generate(request: web.Request, ctx: ServerContext, shapes: Shapes,
         return await _full_response(group, shapes, len(prompt_ids))
 
 
-DISCONNECT_POLL_S = 0.5
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: web.Request) -> AsyncIterator[None]:
-    """Cancel the current (handler) task if the client's connection goes away.
-
-    Without this a non-streamed request whose client gave up would run to the end (and a
-    streamed one in a long prefill would only notice at its first write).
-    """
-    handler = asyncio.current_task()
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                logger.info("client of %s %s disconnected", request.method, request.path)
-                handler.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        # Synchronous, so the watcher can never cancel the handler after this block.
-        watcher.cancel()
-
-
 async def _full_response(group: GenerationGroup, shapes: Shapes,
                          prompt_tokens: int) -> web.Response:
     states = [ChoiceState(i) for i in range(group.n)]
@@ -208,19 +177,3 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
     finally:
         await group.aclose()
     return sse.response
-
-
-async def stream_error(sse: SSEStream, request_id: str, exc: Exception) -> None:
-    """Headers are gone already, so an error mid-stream travels as an event."""
-    if isinstance(exc, ApiError):
-        body = exc.body()
-    elif isinstance(exc, ValueError):
-        body = error_body(str(exc), param=getattr(exc, "param", None))
-    else:
-        logger.exception("error while streaming %s", request_id)
-        body = error_body("Internal server error; see the server log.", "server_error")
-    try:
-        await sse.send(body)
-        await sse.done()
-    except ConnectionResetError:
-        pass
