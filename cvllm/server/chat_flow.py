@@ -11,7 +11,6 @@ aborts whatever is still generating.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 
 from aiohttp import web
@@ -25,8 +24,6 @@ from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
 from cvllm.server.responses import cached_prompt_tokens
 from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
-
-logger = logging.getLogger("cvllm.server.agent")
 
 
 async def agent_chat(request: web.Request, ctx: ServerContext, req: Any, plan: ChatPlan,
@@ -133,9 +130,7 @@ async def _stream(request: web.Request, runs: Sequence[ChoiceRun],
         if shapes.include_usage:
             await sse.send(shapes.agent_usage_chunk(*_usage(runs)))
         await sse.done()
-    except ConnectionResetError:
-        logger.info("client disconnected from %s; request aborted", shapes.request_id)
-    except Exception as exc:
+    except Exception as exc:  # a client gone away included
         await stream_error(sse, shapes.request_id, exc)
     finally:
         await _close(runs)

@@ -15,9 +15,8 @@ given ``handler_cancellation=True``, which ``web.run_app`` does not do by defaul
 
 from __future__ import annotations
 
-import logging
 import uuid
-from typing import List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from aiohttp import web
 
@@ -34,22 +33,24 @@ from cvllm.server.request_body import parse_json_body
 from cvllm.server.responses import cached_prompt_tokens
 from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
 
-logger = logging.getLogger(__name__)
-
 Shapes = Union[ChatShapes, CompletionShapes]
 
 
-async def _read_body(request: web.Request) -> dict:
+async def _parse(request: web.Request,
+                 parse: Callable[[dict], Any]) -> Tuple[ServerContext, dict, Any]:
+    """(context, JSON body, ``parse(body)``) once the model named is ours and the engine
+    is ready."""
+    ctx = request.app[CONTEXT_KEY]
     # request.read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
-    return parse_json_body(await request.read())
+    body = parse_json_body(await request.read())
+    req = parse(body)
+    ctx.check_model(req.model)
+    ctx.check_ready()
+    return ctx, body, req
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT_KEY]
-    body = await _read_body(request)
-    req = parse_chat_request(body)
-    ctx.check_model(req.model)
-    ctx.check_ready()
+    ctx, body, req = await _parse(request, parse_chat_request)
     plan = plan_chat(req, body, ctx.settings, ctx.mcp)
     kwargs = template_kwargs(req, plan)
     try:
@@ -91,11 +92,7 @@ async def check_constraint(ctx: ServerContext, spec, param: Optional[str]) -> No
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT_KEY]
-    body = await _read_body(request)
-    req = parse_completion_request(body)
-    ctx.check_model(req.model)
-    ctx.check_ready()
+    ctx, body, req = await _parse(request, parse_completion_request)
     if isinstance(req.prompt, str):
         prompt_ids = list(ctx.engine.encode(req.prompt))
     else:
@@ -170,9 +167,7 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
             cached = cached_prompt_tokens([s.num_cached_tokens for s in states])
             await sse.send(shapes.usage_chunk(prompt_tokens, used, cached))
         await sse.done()
-    except ConnectionResetError:
-        logger.info("client disconnected from %s; request aborted", shapes.request_id)
-    except Exception as exc:
+    except Exception as exc:  # a client gone away included
         await stream_error(sse, shapes.request_id, exc)
     finally:
         await group.aclose()

@@ -4,7 +4,7 @@ and the two things every answering path needs around them.
 One ``SSEStream`` per streamed HTTP request, built by the handlers (``handlers`` for the
 text path, ``chat_flow`` for the agent path) on rank 0's event loop. It only frames bytes;
 what goes into each event is the shapes' business (``chat``, ``completions``).
-``stream_error`` ends a stream whose headers are gone with an error event;
+``stream_error`` ends a stream that failed after its headers went out;
 ``cancel_on_disconnect`` cancels a handler whose client went away. Both live here, below
 ``handlers`` and ``chat_flow``, so the request walk (route -> handler -> chat flow ->
 generation -> sse) only goes down.
@@ -64,7 +64,11 @@ class SSEStream:
 
 
 async def stream_error(sse: SSEStream, request_id: str, exc: Exception) -> None:
-    """Headers are gone already, so an error mid-stream travels as an event."""
+    """End a stream that failed. A client that went away (``ConnectionResetError``) is only
+    logged; any other error travels as an event, as the headers are gone already."""
+    if isinstance(exc, ConnectionResetError):
+        logger.info("client disconnected from %s; request aborted", request_id)
+        return
     if isinstance(exc, ApiError):
         body = exc.body()
     elif isinstance(exc, ValueError):
