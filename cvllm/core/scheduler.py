@@ -213,16 +213,15 @@ class Scheduler:
     # ----- requests in and out -------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a fresh sequence. Its prompt was admitted by the engine
+        (``engine/llm_engine.check_prompt_length``: shorter than ``max_model_len``), the
+        one place a prompt's length is checked; this checks only the scheduler's own
+        bookkeeping."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
         if (seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens
                 or any(seq.block_ids_by_group) or seq.state_slot >= 0):
             raise ValueError(f"only a fresh WAITING sequence can be added, got {seq!r}")
-        if seq.num_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"sequence {seq.seq_id} has {seq.num_tokens} tokens, more than "
-                f"max_model_len={self.config.max_model_len}"
-            )
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 

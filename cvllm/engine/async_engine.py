@@ -149,11 +149,11 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: List[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs until it finishes. Leaving early (the client went
-        away, the handler was cancelled) aborts the request and frees its KV blocks."""
+        away, the handler was cancelled) aborts the request and frees its KV blocks. A
+        request the engine's admission refuses (``LLMEngine.add_request``: an empty or too
+        long prompt, a token out of the vocabulary) raises its ``ValueError`` here."""
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
-        # Validate on the caller's side so bad prompts fail the HTTP request, not the loop.
-        self._check_prompt(prompt_token_ids)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
@@ -165,6 +165,7 @@ class AsyncEngine:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
+                    finished = True  # refused by the engine's admission, or the engine died
                     raise item
                 yield item
                 if item.finished:
@@ -182,11 +183,11 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
                sink: OutputSink) -> None:
         """``generate`` for a caller in another process: the outputs go to ``sink``
-        (the finished one last), or ``sink.fail`` is called. Raises as ``generate`` does
-        for a prompt refused before it reaches the engine thread."""
+        (the finished one last), or ``sink.fail`` is called (a request the engine's
+        admission refuses, as in ``generate``). Raises ``EngineDeadError`` when the engine
+        is not running, ``ValueError`` for a request id in use."""
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
-        self._check_prompt(prompt_token_ids)
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -204,14 +205,6 @@ class AsyncEngine:
             known = self._queues.pop(request_id, None) is not None
         if known:
             self.abort(request_id)
-
-    def _check_prompt(self, prompt_token_ids: List[int]) -> None:
-        from cvllm.engine.llm_engine import PromptTooLongError
-
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:

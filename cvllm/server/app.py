@@ -3,7 +3,7 @@
 ``build_app(engine, settings)`` is called once by the CLI on rank 0. The engine is
 duck-typed (``AsyncEngine``, engine/async_engine.py) so this package never imports torch.
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}],
-GET /health, GET /metrics.
+GET /health, GET /metrics (``metrics.py``: a registry of the application's own).
 
 Any aiohttp runner works. ``start_server``/``run_server`` also pass
 ``handler_cancellation=True``, so a client that disconnects cancels its handler (and so
@@ -24,7 +24,7 @@ from aiohttp import web
 from cvllm.server import handlers
 from cvllm.server.context import CONTEXT_KEY, ServerContext, ServerSettings
 from cvllm.server.edge import EdgeSite, edge_middleware, handler_args
-from cvllm.server.metrics import CONTENT_TYPE, render_metrics
+from cvllm.server.metrics import REGISTRY_KEY, build_registry, exposition
 from cvllm.server.middleware import auth_middleware, error_middleware, json_dumps
 from cvllm.server.models import model_card, model_list
 
@@ -39,6 +39,7 @@ def build_app(engine: Any, settings: ServerSettings, mcp: Any = None) -> web.App
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares,
                           handler_args=handler_args(settings))
     app[CONTEXT_KEY] = ServerContext(engine, settings, mcp)
+    app[REGISTRY_KEY] = build_registry(engine.metrics)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", list_models)
@@ -75,9 +76,11 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     # current_metrics: what the engine counted up to now, so a scrape taken after a
-    # response has ended counts that response (in the API process: asked of rank 0).
-    text = render_metrics(await request.app[CONTEXT_KEY].engine.current_metrics())
-    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+    # response has ended counts that response (in the API process: asked of rank 0);
+    # the registry's collector then reads that snapshot (engine.metrics()).
+    await request.app[CONTEXT_KEY].engine.current_metrics()
+    body, content_type = exposition(request.app[REGISTRY_KEY], request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def start_server(app: web.Application, settings: ServerSettings) -> web.AppRunner:

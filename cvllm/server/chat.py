@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from cvllm.chat.tool_parsers import ToolCall, ToolCallDelta
 from cvllm.outputs import TokenLogprob
 from cvllm.sampling_params import StructuredOutputs
-from cvllm.server.request_fields import SamplingFields
+from cvllm.server.schemas.request_fields import SamplingFields
 from cvllm.server.responses import ChoiceResult, ResponseShapes, clamp_logprob, usage
 from cvllm.server.schemas.chat_body import ChatBody, enable_thinking
 from cvllm.server.schemas.messages import CHAT_ROLES, ChatMessage, template_message

@@ -11,7 +11,6 @@ aborts whatever is still generating.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 
 from aiohttp import web
@@ -24,17 +23,13 @@ from cvllm.server.errors import ApiError
 from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
 from cvllm.server.responses import cached_prompt_tokens
-from cvllm.server.sse import SSEStream
-
-logger = logging.getLogger("cvllm.server.agent")
+from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
 
 
 async def agent_chat(request: web.Request, ctx: ServerContext, req: Any, plan: ChatPlan,
                      shapes: ChatShapes, kwargs: dict,
                      prompt: Tuple[str, List[int]]) -> web.StreamResponse:
     """Answer a chat request through parsers (and MCP rounds when MCP tools are offered)."""
-    from cvllm.server.handlers import cancel_on_disconnect  # the handlers import us
-
     defaults, max_len = ctx.engine.default_params(), ctx.engine.max_model_len
 
     def params_for(prompt_len: int, index: int):
@@ -122,8 +117,6 @@ async def _full(runs: Sequence[ChoiceRun], shapes: ChatShapes) -> web.Response:
 
 async def _stream(request: web.Request, runs: Sequence[ChoiceRun],
                   shapes: ChatShapes) -> web.StreamResponse:
-    from cvllm.server.handlers import stream_error
-
     sse = SSEStream(request)
     try:
         await sse.prepare()
@@ -137,9 +130,7 @@ async def _stream(request: web.Request, runs: Sequence[ChoiceRun],
         if shapes.include_usage:
             await sse.send(shapes.agent_usage_chunk(*_usage(runs)))
         await sse.done()
-    except ConnectionResetError:
-        logger.info("client disconnected from %s; request aborted", shapes.request_id)
-    except Exception as exc:
+    except Exception as exc:  # a client gone away included
         await stream_error(sse, shapes.request_id, exc)
     finally:
         await _close(runs)

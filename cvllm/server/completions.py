@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Union
 
 from cvllm.outputs import TokenLogprob
 from cvllm.sampling_params import StructuredOutputs
-from cvllm.server.request_fields import SamplingFields
+from cvllm.server.schemas.request_fields import SamplingFields
 from cvllm.server.responses import ChoiceResult, ResponseShapes, clamp_logprob
 from cvllm.server.schemas.completion_body import CompletionBody
 from cvllm.server.schemas.validation import bad_param, validate_body

@@ -28,10 +28,3 @@ class ApiError(Exception):
 def error_body(message: str, type: str = "invalid_request_error",
                param: Optional[str] = None, code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def context_length_error(max_model_len: int, prompt_len: int, param: str) -> ApiError:
-    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens; "
-                         f"your prompt has {prompt_len} tokens, which leaves no room to "
-                         f"generate. Please shorten the prompt.",
-                    param=param, code="context_length_exceeded")

@@ -9,17 +9,14 @@ request with tools, MCP tools or a reasoning parser goes through ``chat_flow`` i
 (its ``ChatPlan`` from ``agent_plan`` says so); plain chats keep this text path.
 The ``GenerationGroup`` is closed in a ``finally``, so a client that disconnects or an
 error aborts whatever is still running in the engine. A vanished client is noticed by
-``cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was given
-``handler_cancellation=True``, which ``web.run_app`` does not do by default).
+``sse.cancel_on_disconnect`` (aiohttp itself cancels the handler only when the runner was
+given ``handler_cancellation=True``, which ``web.run_app`` does not do by default).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import uuid
-from typing import AsyncIterator, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from aiohttp import web
 
@@ -28,30 +25,32 @@ from cvllm.server.chat import ChatShapes, parse_chat_request
 from cvllm.server.chat_flow import agent_chat
 from cvllm.server.completions import CompletionShapes, parse_completion_request
 from cvllm.server.context import CONTEXT_KEY, ServerContext
-from cvllm.server.errors import ApiError, error_body
+from cvllm.server.errors import ApiError
 from cvllm.server.generation import ChoiceState, GenerationGroup
 from cvllm.server.middleware import json_dumps
 from cvllm.server.params import fan_out, resolve_sampling_params
 from cvllm.server.request_body import parse_json_body
 from cvllm.server.responses import cached_prompt_tokens
-from cvllm.server.sse import SSEStream
-
-logger = logging.getLogger(__name__)
+from cvllm.server.sse import SSEStream, cancel_on_disconnect, stream_error
 
 Shapes = Union[ChatShapes, CompletionShapes]
 
 
-async def _read_body(request: web.Request) -> dict:
+async def _parse(request: web.Request,
+                 parse: Callable[[dict], Any]) -> Tuple[ServerContext, dict, Any]:
+    """(context, JSON body, ``parse(body)``) once the model named is ours and the engine
+    is ready."""
+    ctx = request.app[CONTEXT_KEY]
     # request.read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
-    return parse_json_body(await request.read())
+    body = parse_json_body(await request.read())
+    req = parse(body)
+    ctx.check_model(req.model)
+    ctx.check_ready()
+    return ctx, body, req
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT_KEY]
-    body = await _read_body(request)
-    req = parse_chat_request(body)
-    ctx.check_model(req.model)
-    ctx.check_ready()
+    ctx, body, req = await _parse(request, parse_chat_request)
     plan = plan_chat(req, body, ctx.settings, ctx.mcp)
     kwargs = template_kwargs(req, plan)
     try:
@@ -93,11 +92,7 @@ async def check_constraint(ctx: ServerContext, spec, param: Optional[str]) -> No
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT_KEY]
-    body = await _read_body(request)
-    req = parse_completion_request(body)
-    ctx.check_model(req.model)
-    ctx.check_ready()
+    ctx, body, req = await _parse(request, parse_completion_request)
     if isinstance(req.prompt, str):
         prompt_ids = list(ctx.engine.encode(req.prompt))
     else:
@@ -127,35 +122,6 @@ async def _generate(request: web.Request, ctx: ServerContext, shapes: Shapes,
         if stream:
             return await _stream_response(request, group, shapes, len(prompt_ids))
         return await _full_response(group, shapes, len(prompt_ids))
-
-
-DISCONNECT_POLL_S = 0.5
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: web.Request) -> AsyncIterator[None]:
-    """Cancel the current (handler) task if the client's connection goes away.
-
-    Without this a non-streamed request whose client gave up would run to the end (and a
-    streamed one in a long prefill would only notice at its first write).
-    """
-    handler = asyncio.current_task()
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                logger.info("client of %s %s disconnected", request.method, request.path)
-                handler.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        # Synchronous, so the watcher can never cancel the handler after this block.
-        watcher.cancel()
 
 
 async def _full_response(group: GenerationGroup, shapes: Shapes,
@@ -201,26 +167,8 @@ async def _stream_response(request: web.Request, group: GenerationGroup, shapes:
             cached = cached_prompt_tokens([s.num_cached_tokens for s in states])
             await sse.send(shapes.usage_chunk(prompt_tokens, used, cached))
         await sse.done()
-    except ConnectionResetError:
-        logger.info("client disconnected from %s; request aborted", shapes.request_id)
-    except Exception as exc:
+    except Exception as exc:  # a client gone away included
         await stream_error(sse, shapes.request_id, exc)
     finally:
         await group.aclose()
     return sse.response
-
-
-async def stream_error(sse: SSEStream, request_id: str, exc: Exception) -> None:
-    """Headers are gone already, so an error mid-stream travels as an event."""
-    if isinstance(exc, ApiError):
-        body = exc.body()
-    elif isinstance(exc, ValueError):
-        body = error_body(str(exc), param=getattr(exc, "param", None))
-    else:
-        logger.exception("error while streaming %s", request_id)
-        body = error_body("Internal server error; see the server log.", "server_error")
-    try:
-        await sse.send(body)
-        await sse.done()
-    except ConnectionResetError:
-        pass

@@ -64,20 +64,8 @@ async def serve_app(app: web.Application, settings: ServerSettings, engine: Any,
     ones it gets) instead of from this process's own signal handlers."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    tasks: List[asyncio.Task] = []
     watch = None if engine_gone is None else loop.create_task(_set_when(engine_gone, stop))
-
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if tasks:  # a second signal: abort everything and go
-            logger.warning("second %s: aborting the requests in flight and exiting", name)
-            exit_by(SECOND_SIGNAL_EXIT_S, f"second {name}")
-            tasks[0].cancel()
-            tasks.append(loop.create_task(_abort_and_stop(engine, stop, 0.5)))
-            return
-        exit_by(timeout_s + EXIT_GRACE_S - _EXIT_MARGIN_S, f"{name} {timeout_s:.0f} s ago")
-        tasks.append(loop.create_task(_drain(engine, timeout_s, stop, name)))
-
+    on_signal = _signal_handler(engine, timeout_s, stop)
     if signal_source is not None:
         signal_source(on_signal)
     else:
@@ -101,6 +89,26 @@ async def serve_app(app: web.Application, settings: ServerSettings, engine: Any,
                 # signal only brings the exit closer.
                 signal.signal(sig, _late_signal)
         await runner.cleanup()
+
+
+def _signal_handler(engine: Any, timeout_s: float, stop: asyncio.Event) -> Callable[[int], None]:
+    """The handler of SIGTERM / SIGINT, called on the loop: the first drains (at most
+    ``timeout_s``), a second aborts everything and goes."""
+    loop = asyncio.get_running_loop()
+    tasks: List[asyncio.Task] = []
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if tasks:  # a second signal: abort everything and go
+            logger.warning("second %s: aborting the requests in flight and exiting", name)
+            exit_by(SECOND_SIGNAL_EXIT_S, f"second {name}")
+            tasks[0].cancel()
+            tasks.append(loop.create_task(_abort_and_stop(engine, stop, 0.5)))
+            return
+        exit_by(timeout_s + EXIT_GRACE_S - _EXIT_MARGIN_S, f"{name} {timeout_s:.0f} s ago")
+        tasks.append(loop.create_task(_drain(engine, timeout_s, stop, name)))
+
+    return on_signal
 
 
 async def _set_when(event: asyncio.Event, stop: asyncio.Event) -> None:

@@ -1,19 +1,36 @@
-"""Prometheus text exposition (format 0.0.4) of an ``EngineMetrics`` snapshot.
+"""``GET /metrics``: the engine's numbers in Prometheus's formats, through ``prometheus_client``.
 
-Rendered by the /metrics route on rank 0 from ``engine.metrics()``; no client library, as
-the format is a few lines of text: the values live in the engine thread, which hands the
-server a plain-data snapshot (``EngineMetrics``, latency histograms included) each step, so
-``prometheus_client``'s process-global registry and its locks would only mirror them (and
-make one more dependency of the torch-free server).
+Who counts: only the engine thread on rank 0 (``LLMEngine``: the request and token
+counters, the KV-cache gauges and the latency histograms). The server counts nothing of
+its own. The numbers reach it as one plain-data snapshot (``EngineMetrics``): in one
+process from the engine thread, which hands over a new one each step; in the API process
+(``remote_engine.py``) asked of rank 0 over the channel at each scrape. So the engine's
+numbers are carried to the collector of the process that answers the scrape, and
+prometheus_client's multiprocess mode (a directory of per-process files) is not needed:
+one process counts, one answers, and the API process shows exactly what rank 0 counted.
+
+``build_registry(engine.metrics)`` is called once per application by ``app.build_app``: a
+``CollectorRegistry`` of the application's own (never prometheus_client's process-global
+``REGISTRY``, which would add this process's own gc/process series and clash between two
+applications in one process), holding one ``EngineCollector`` that turns the engine's
+latest snapshot (``engine.metrics()``) into metric families when a scrape collects.
+``exposition`` writes them in the format the scrape's ``Accept`` header asks for:
+OpenMetrics for ``application/openmetrics-text``, else the classic text format 0.0.4.
 """
 
 from __future__ import annotations
 
-from typing import List
+from itertools import accumulate
+from typing import Callable, Iterator, Optional, Tuple
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, Metric)
+from prometheus_client.utils import floatToGoString
 
 from cvllm.outputs import EngineMetrics, Histogram
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (name, type, help, EngineMetrics attribute)
 _SCALARS = (
@@ -38,6 +55,7 @@ _SCALARS = (
      "num_preemptions_total"),
     ("cvllm_steps_total", "counter", "Engine steps run.", "steps_total"),
 )
+_FAMILY = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 # Always exported, so dashboards see a 0 rather than a missing series.
 _FINISH_REASONS = ("stop", "length", "abort")
 # (name, help, LatencyHistograms attribute); vLLM's names with the cvllm_ prefix.
@@ -56,31 +74,57 @@ _HISTOGRAMS = (
 )
 
 
-def _label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render_metrics(metrics: EngineMetrics) -> str:
-    lines: List[str] = []
+def metric_families(metrics: EngineMetrics) -> Iterator[Metric]:
+    """One snapshot as prometheus_client metric families, in a fixed order."""
     for name, kind, help_text, attr in _SCALARS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                  f"{name} {getattr(metrics, attr, 0)}"]
-    name = "cvllm_request_success_total"
-    lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-    finished = dict.fromkeys(_FINISH_REASONS, 0)
-    finished.update(metrics.requests_finished or {})
-    for reason, count in finished.items():
-        lines.append(f'{name}{{finish_reason="{_label_value(str(reason))}"}} {count}')
+        yield _FAMILY[kind](name, help_text, value=getattr(metrics, attr, 0))
+    finished = CounterMetricFamily("cvllm_request_success_total",
+                                   "Finished requests by finish reason.",
+                                   labels=["finish_reason"])
+    counts = dict.fromkeys(_FINISH_REASONS, 0)
+    counts.update(metrics.requests_finished or {})
+    for reason, count in counts.items():
+        finished.add_metric([str(reason)], count)
+    yield finished
     for name, help_text, attr in _HISTOGRAMS:
-        lines += _histogram_lines(name, help_text, getattr(metrics.latency, attr))
-    return "\n".join(lines) + "\n"
+        yield _histogram(name, help_text, getattr(metrics.latency, attr))
 
 
-def _histogram_lines(name: str, help_text: str, h: Histogram) -> List[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    cumulative = 0
-    for le, n in zip([*map(repr, h.buckets), "+Inf"], h.counts):
-        cumulative += n
-        lines.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-    lines += [f"{name}_sum {h.sum!r}", f"{name}_count {h.count}"]
-    return lines
+def _histogram(name: str, help_text: str, h: Histogram) -> HistogramMetricFamily:
+    # The engine counts per bucket; the exposition's buckets are cumulative, +Inf last.
+    bounds = [*map(floatToGoString, h.buckets), "+Inf"]
+    return HistogramMetricFamily(name, help_text, sum_value=h.sum,
+                                 buckets=list(zip(bounds, accumulate(h.counts))))
+
+
+class EngineCollector:
+    """A prometheus_client collector of the engine's snapshot that ``snapshot()`` gives
+    (``engine.metrics()``: the latest one, which the route refreshes before it collects)."""
+
+    def __init__(self, snapshot: Callable[[], EngineMetrics]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        return metric_families(self._snapshot())
+
+
+def build_registry(snapshot: Callable[[], EngineMetrics]) -> CollectorRegistry:
+    """A registry of the caller's own, collecting ``snapshot()``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(snapshot))
+    return registry
+
+
+REGISTRY_KEY = web.AppKey("cvllm_metrics_registry", CollectorRegistry)
+
+
+def exposition(registry: CollectorRegistry, accept: Optional[str]) -> Tuple[bytes, str]:
+    """(body, content type) of a scrape, in the format its ``Accept`` header asks for."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
+
+
+def render_metrics(metrics: EngineMetrics, accept: Optional[str] = None) -> str:
+    """One snapshot as exposition text (the classic format unless ``accept`` asks for
+    OpenMetrics)."""
+    return exposition(build_registry(lambda: metrics), accept)[0].decode("utf-8")

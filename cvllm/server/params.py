@@ -6,7 +6,10 @@ was tokenized. Precedence: value in the request > server-wide default from
 
 Context length, like candle-vllm: a prompt of ``max_model_len`` tokens or more is a 400;
 otherwise ``max_tokens`` (requested or defaulted to ``max_gen_tokens``) is silently capped
-to the room left in the context, ``max_model_len - prompt_len``, instead of failing.
+to the room left in the context, ``max_model_len - prompt_len``, instead of failing. The
+rule is the engine's admission rule (``engine/llm_engine.check_prompt_length``, with the
+limit the engine published): it is asked here, before anything is answered, because a
+streamed answer's status goes out before the engine sees the request.
 """
 
 from __future__ import annotations
@@ -14,21 +17,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
+from cvllm.engine.llm_engine import check_prompt_length
 from cvllm.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
-from cvllm.server.errors import ApiError, context_length_error
+from cvllm.server.errors import ApiError
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Decided per request by the server, never taken from the server-wide defaults.
 _PER_REQUEST = {"max_tokens", "n", "logprobs", "structured_outputs"}
 
 
-def check_prompt_length(prompt_len: int, max_model_len: int, param: str) -> int:
-    """Return the room left for generation; a prompt that fills the context is a 400."""
-    if prompt_len == 0:
-        raise ApiError(400, "The prompt is empty.", param=param)
-    if prompt_len >= max_model_len:
-        raise context_length_error(max_model_len, prompt_len, param)
-    return max_model_len - prompt_len
+def prompt_room(prompt_len: int, max_model_len: int, param: str) -> int:
+    """The room the prompt leaves for generation, by the engine's rule; its refusal (an
+    empty prompt, one that fills the context) is a 400 naming ``param``."""
+    try:
+        return check_prompt_length(prompt_len, max_model_len)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param, code=getattr(exc, "code", None)) from None
 
 
 def resolve_sampling_params(request: Any, defaults: Mapping[str, Any], prompt_len: int,
@@ -42,7 +46,7 @@ def resolve_sampling_params(request: Any, defaults: Mapping[str, Any], prompt_le
     the one a forced ``tool_choice`` builds); ``skip_special_tokens=False`` when the tool
     parser reads markers that are special tokens.
     """
-    room = check_prompt_length(prompt_len, max_model_len, param)
+    room = prompt_room(prompt_len, max_model_len, param)
     kwargs: Dict[str, Any] = {k: v for k, v in defaults.items()
                               if k in _PARAM_FIELDS and k not in _PER_REQUEST and v is not None}
     kwargs.update(request.sampling.overrides())

@@ -93,6 +93,22 @@ def test_ready_then_streams_and_aborts(tokenizer):
     asyncio.run(main())
 
 
+def test_the_engine_admission_refuses_what_fills_the_context(tokenizer):
+    """``LLMEngine.add_request`` checks a prompt's length (the one place: the scheduler
+    trusts it, the server asks the same rule): a prompt of ``max_model_len`` tokens or
+    more, or none, is refused and leaves nothing behind; one token less is admitted."""
+    engine = _engine(tokenizer, CountingRunner()).engine
+    for n in (256, 300):
+        with pytest.raises(PromptTooLongError, match="maximum context length is 256") as e:
+            engine.add_request("x", [5] * n, SamplingParams())
+        assert e.value.code == "context_length_exceeded" and e.value.num_prompt_tokens == n
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("x", [], SamplingParams())
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    engine.add_request("x", [5] * 255, SamplingParams(max_tokens=1))
+    assert "x" in engine.requests and engine.scheduler.has_unfinished()
+
+
 def test_dead_engine_loop_fails_requests_and_health(tokenizer):
     async def main():
         engine = _engine(tokenizer, CountingRunner(fail_at_step=3))

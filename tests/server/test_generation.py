@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cvllm.server import ServerSettings, build_app, handlers
+from cvllm.server import ServerSettings, build_app, sse
 
 
 def chat_body(text="hello", **kw):
@@ -231,7 +231,7 @@ async def test_error_mid_stream_becomes_event(engine, make_client):
 
 async def test_disconnect_aborts_without_handler_cancellation(fake_engine_cls, monkeypatch):
     """``web.run_app`` defaults to handler_cancellation=False; the poll must catch it."""
-    monkeypatch.setattr(handlers, "DISCONNECT_POLL_S", 0.02)
+    monkeypatch.setattr(sse, "DISCONNECT_POLL_S", 0.02)
     engine = fake_engine_cls(max_model_len=100_000, token_delay=0.01)
     runner = web.AppRunner(build_app(engine, ServerSettings()), handler_cancellation=False)
     await runner.setup()

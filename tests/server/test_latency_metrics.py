@@ -14,12 +14,18 @@ NAMES = ("cvllm_time_to_first_token_seconds", "cvllm_inter_token_latency_seconds
          "cvllm_e2e_request_latency_seconds", "cvllm_request_queue_time_seconds")
 
 
+def _count(value):
+    """A count as exposed (prometheus_client writes every sample value as a float)."""
+    assert float(value).is_integer(), value
+    return int(float(value))
+
+
 def _histogram(text, name):
     """{le: cumulative count}, sum, count of one histogram in exposition text."""
-    buckets = {m.group(1): int(m.group(2)) for m in
-               re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\d+)$', text, re.M)}
+    buckets = {m.group(1): _count(m.group(2)) for m in
+               re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)}
     total = float(re.search(rf"^{name}_sum (\S+)$", text, re.M).group(1))
-    count = int(re.search(rf"^{name}_count (\d+)$", text, re.M).group(1))
+    count = _count(re.search(rf"^{name}_count (\S+)$", text, re.M).group(1))
     assert f"# TYPE {name} histogram" in text.splitlines()
     return buckets, total, count
 
@@ -40,9 +46,9 @@ def test_histogram_observe_and_exposition():
         assert count == 0 and total == 0 and set(buckets.values()) == {0}
     # vLLM's buckets by default
     fresh = render_metrics(EngineMetrics())
-    assert 'cvllm_time_to_first_token_seconds_bucket{le="2560.0"} 0' in fresh
-    assert 'cvllm_inter_token_latency_seconds_bucket{le="0.01"} 0' in fresh
-    assert 'cvllm_request_queue_time_seconds_bucket{le="7680.0"} 0' in fresh
+    assert _histogram(fresh, "cvllm_time_to_first_token_seconds")[0]["2560.0"] == 0
+    assert _histogram(fresh, "cvllm_inter_token_latency_seconds")[0]["0.01"] == 0
+    assert _histogram(fresh, "cvllm_request_queue_time_seconds")[0]["7680.0"] == 0
 
 
 def test_snapshot_is_a_copy():

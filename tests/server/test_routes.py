@@ -56,11 +56,23 @@ async def test_health_follows_engine(engine, make_client):
         await still_serves(client)
 
 
+def metric_samples(text):
+    """{'name{labels}': value} of exposition text (values as prometheus_client writes
+    them: floats)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
 async def test_metrics(engine, make_client):
     async with make_client(engine) as client:
         resp = await client.get("/metrics")
         assert resp.status == 200 and resp.content_type == "text/plain"
         text = await resp.text()
+    samples = metric_samples(text)
     for line in ["cvllm_num_requests_running 2", "cvllm_num_requests_waiting 1",
                  "cvllm_kv_blocks_total 100", "cvllm_kv_blocks_free 40",
                  "cvllm_prompt_tokens_total 123", "cvllm_generation_tokens_total 456",
@@ -71,7 +83,11 @@ async def test_metrics(engine, make_client):
                  'cvllm_request_success_total{finish_reason="abort"} 0',
                  "# TYPE cvllm_request_success_total counter",
                  "# TYPE cvllm_kv_blocks_free gauge"]:
-        assert line in text.splitlines()
+        if line.startswith("#"):
+            assert line in text.splitlines()
+        else:
+            key, _, value = line.rpartition(" ")
+            assert samples[key] == float(value), line
     assert all(line.startswith("# HELP ") for line in text.splitlines()
                if line.startswith("#") and "TYPE" not in line)
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 from pydantic import field_validator
 
-from cvllm.server.request_fields import CommonFields, NonNegativeInt, PositiveInt
+from cvllm.server.schemas.request_fields import CommonFields, NonNegativeInt, PositiveInt
 from cvllm.server.schemas.messages import ChatMessage
 from cvllm.server.schemas.structured import ConstraintFields
 from cvllm.server.schemas.tools import ToolChoice, ToolDefinition

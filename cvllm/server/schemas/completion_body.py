@@ -11,7 +11,7 @@ from typing import Any, ClassVar, List, Optional, Tuple, Union
 
 from pydantic import field_validator
 
-from cvllm.server.request_fields import CommonFields, NonNegativeInt, PositiveInt
+from cvllm.server.schemas.request_fields import CommonFields, NonNegativeInt, PositiveInt
 from cvllm.server.schemas.structured import ConstraintFields
 from cvllm.server.schemas.validation import invalid
 
