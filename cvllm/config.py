@@ -217,36 +217,13 @@ class DeviceConfig:
             raise ConfigError(f"--device-ids must be non-negative integers, got {self.device_ids}")
 
 
-QUANT_SCHEMES = ("none", "gguf", "isq")
-
-
-@dataclass
-class QuantConfig:
-    """Which weights stay quantized, as plain data (the same on every rank); the worker
-    turns it into a ``quantization.QuantizationConfig`` for the model constructor."""
-
-    scheme: str = "none"
-    """``none`` (float weights), ``gguf`` (a GGUF file's blocks kept as they are) or
-    ``isq`` (float weights quantized while loading, ``--isq``)."""
-    tensor_types: Dict[str, int] = field(default_factory=dict)
-    """``gguf``: GGML type id of each checkpoint tensor, by its HF name."""
-    isq: Optional[str] = None
-    """``isq``: the ``--isq`` type name (``q4k``, ``q8_0``, ...)."""
-    cpu_dense_gib: Optional[float] = None
+def check_cpu_dense_gib(value: Optional[float]) -> None:
     """``--cpu-dense-gb``: GiB of bf16 copies of quantized weights a CPU rank may keep for
     decode batches (``quantization/gguf.py``: ``BatchCopyBudget``); None: auto (a quarter
-    of the free memory on CPUs with AMX or AVX-512 BF16, else none), 0: never."""
-
-    def __post_init__(self) -> None:
-        if self.scheme not in QUANT_SCHEMES:
-            raise ConfigError(f"quantization scheme must be one of {', '.join(QUANT_SCHEMES)}, "
-                              f"got {self.scheme!r}")
-        if (self.scheme == "isq") != (self.isq is not None):
-            raise ConfigError("an isq type goes with the isq scheme only")
-        if self.cpu_dense_gib is not None and not (math.isfinite(self.cpu_dense_gib)
-                                                   and self.cpu_dense_gib >= 0):
-            raise ConfigError(f"--cpu-dense-gb must be a number >= 0 (0: no copies), "
-                              f"got {self.cpu_dense_gib}")
+    of the free memory on CPUs with AMX or AVX-512 BF16, else none), 0: never. Checked
+    by the loader whatever the weights are (``loader/quant_scheme.py``)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"--cpu-dense-gb must be a number >= 0 (0: no copies), got {value}")
 
 
 @dataclass
@@ -277,8 +254,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, the torch reference on the CPU), ``triton`` or
     ``torch_ref`` (``--attention-backend``; ``attention/backend.py``)."""
-    quant: QuantConfig = field(default_factory=QuantConfig)
-    """Weight quantization (GGUF blocks kept, or ``--isq``)."""
+    quant: Optional[Any] = None
+    """The weights' quantization scheme: the ``quantization.base.QuantizationConfig`` the
+    loader chose (``loader/quant_scheme.py``: a GGUF file's tensor types, ``--isq``, a
+    checkpoint's ``quantization_config``), handed to the model constructor, whose layers
+    ask it for their methods; None: float weights. One model is built from it (it holds
+    that model's batch-copy budget). Typed ``Any``: this module stays torch-free."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

@@ -3,7 +3,8 @@
 Called by ``cli.py`` / ``runtime/spmd.py`` and by the offline ``LLM`` class. It resolves
 where the model comes from, builds the config dataclasses (``build_engine_config``: the
 same on every rank, checked before any weight loads, including that the tensor-parallel
-size splits the attention heads), loads the tokenizer and the model (through the
+size splits the attention heads; the loader reads the model's config and chooses its
+quantization scheme), loads the tokenizer and the model (through the
 ``ModelRunner``), sizes the KV cache and hands everything to ``LLMEngine`` on rank 0.
 Ranks != 0 build only the config and their ``ModelRunner`` (``worker/worker_loop.py``).
 """
@@ -22,7 +23,6 @@ from cvllm.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
-    QuantConfig,
     SchedulerConfig,
     default_max_num_batched_tokens,
 )
@@ -152,16 +152,7 @@ def build_engine_config(
     device = device or pick_device(cpu, device_ids or [0])
     dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
     source = loader.resolve_model_source(weight_path, weight_file, model_id)
-    model_config = loader.load_model_config(source, dtype=dtype, max_model_len=max_model_len)
-    get_model_class(model_config.architecture)  # unsupported: fail now, listing the supported
-    check_tensor_parallel(model_config, tp_size)
-    context_len = model_config.native_max_len
-    if yarn_scaling_factor is not None:
-        context_len = apply_yarn_scaling(model_config.hf_config, yarn_scaling_factor)
-        if not max_model_len:
-            model_config.max_model_len = context_len
-    if max_model_len and max_model_len > context_len:
-        logger.warning("--max-model-len %d exceeds the model's own %d", max_model_len, context_len)
+    model_config = _model_config(source, dtype, max_model_len, yarn_scaling_factor, tp_size)
     defaults = _sampling_defaults(sampling_overrides or {}, loader.generation_defaults(source))
     config = EngineConfig(
         model=model_config,
@@ -179,9 +170,28 @@ def build_engine_config(
         served_model_name=served_model_name or _default_name(source),
         defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
         cuda_graph_max_tokens=int(cuda_graph_max_tokens), attention_backend=attention_backend,
-        quant=_quant_config(source, isq, dequantize, cpu_dense_gb),
+        quant=loader.quantization_config(source, model_config, isq, dequantize, cpu_dense_gb),
     )
     return EngineSetup(config, source, defaults)
+
+
+def _model_config(source, dtype: str, max_model_len: int, yarn_scaling_factor: Optional[float],
+                  tp_size: int) -> ModelConfig:
+    """The loader's ``ModelConfig``, checked against the model classes and ``tp_size``,
+    with ``--yarn-scaling-factor`` applied."""
+    from cvllm import loader
+
+    model_config = loader.load_model_config(source, dtype=dtype, max_model_len=max_model_len)
+    get_model_class(model_config.architecture)  # unsupported: fail now, listing the supported
+    check_tensor_parallel(model_config, tp_size)
+    context_len = model_config.native_max_len
+    if yarn_scaling_factor is not None:
+        context_len = apply_yarn_scaling(model_config.hf_config, yarn_scaling_factor)
+        if not max_model_len:
+            model_config.max_model_len = context_len
+    if max_model_len and max_model_len > context_len:
+        logger.warning("--max-model-len %d exceeds the model's own %d", max_model_len, context_len)
+    return model_config
 
 
 def attention_parity_context(mc: ModelConfig) -> int:
@@ -209,42 +219,6 @@ def _step_budget(flag: Optional[int], prefill_chunk_size: Optional[int], device:
     if flag:
         return flag
     return default_max_num_batched_tokens(device) if prefill_chunk_size is None else 0
-
-
-def _quant_config(source, isq: Optional[str], dequantize: bool,
-                  cpu_dense_gb: Optional[float] = None) -> QuantConfig:
-    """Which weights stay quantized: a GGUF file's blocks (unless ``--dequantize``), or
-    ``--isq`` on a Hugging Face folder. Types without kernels are dequantized at load, with
-    one warning per type."""
-    from cvllm import loader
-    from cvllm.kernels.quant.ggml_types import FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, parse_isq
-
-    QuantConfig(cpu_dense_gib=cpu_dense_gb)  # check the flag whatever the weights are
-
-    if isq is not None:
-        if source.kind == "gguf":
-            raise ConfigError(f"--isq quantizes the float weights of a Hugging Face folder; "
-                              f"{source.path} is a GGUF file, already quantized (drop --isq)")
-        try:
-            parse_isq(isq)
-        except ValueError as e:
-            raise ConfigError(f"--isq: {e}") from None
-        return QuantConfig(scheme="isq", isq=isq, cpu_dense_gib=cpu_dense_gb)
-    if source.kind != "gguf" or dequantize:
-        return QuantConfig()
-    types = loader.gguf_tensor_types(source.path)
-    slow: Dict[str, int] = {}
-    for t in types.values():
-        if t not in QUANTIZED_TYPES and t not in FLOAT_TYPES:
-            try:
-                name = GgmlType(t).name
-            except ValueError:
-                name = f"id {t}"
-            slow[name] = slow.get(name, 0) + 1
-    for name, n in sorted(slow.items()):
-        logger.warning("%d tensor(s) of type %s: cvllm has no kernels for it, so they are "
-                       "dequantized to the model dtype at load", n, name)
-    return QuantConfig(scheme="gguf", tensor_types=types, cpu_dense_gib=cpu_dense_gb)
 
 
 def build_llm_engine(*, rank: int = 0, tp_size: int = 1, device: Optional[DeviceConfig] = None,

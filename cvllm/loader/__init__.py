@@ -5,6 +5,8 @@ its own copy of the files (memory-mapped, so ranks on one host share the page ca
 
     source = resolve_model_source(weight_path, weight_file, model_id)
     model_config = load_model_config(source, dtype, max_model_len)
+    quant = quantization_config(source, model_config, isq, dequantize, cpu_dense_gib)
+                                                 # QuantizationConfig, or None: float
     model.load_weights(iter_weights(source))     # HF names, lazy tensors (each rank
                                                  # reads only its shards)
     tokenizer = load_tokenizer(source)           # transformers fast tokenizer
@@ -15,7 +17,7 @@ Everything that can go wrong with the files raises ``ModelLoadError``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 from ..config import ConfigError, ModelConfig
 from .default_model import default_model_path
@@ -24,13 +26,14 @@ from .hf_config import (merge_ids, read_generation_config, read_hf_config, sampl
                         token_ids)
 from .source import ModelSource, resolve_model_source
 
-if TYPE_CHECKING:  # torch is imported only when weights are read
+if TYPE_CHECKING:  # torch is imported only when weights are read or quantized
+    from ..quantization.base import QuantizationConfig
     from .lazy import LazyTensor
 
 __all__ = [
     "ModelLoadError", "ModelSource", "resolve_model_source", "default_model_path",
-    "load_model_config", "iter_weights", "gguf_tensor_types", "load_tokenizer",
-    "generation_defaults",
+    "load_model_config", "quantization_config", "iter_weights", "gguf_tensor_types",
+    "load_tokenizer", "generation_defaults",
 ]
 
 
@@ -56,6 +59,16 @@ def load_model_config(source: ModelSource, dtype: str = "f32",
                            bos_token_id=bos[0] if bos else None, source=str(source.path))
     except ConfigError as e:
         raise ModelLoadError(f"{source.path}: {e}") from e
+
+
+def quantization_config(source: ModelSource, model_config: ModelConfig,
+                        isq: Optional[str] = None, dequantize: bool = False,
+                        cpu_dense_gib: Optional[float] = None) -> Optional["QuantizationConfig"]:
+    """The model's quantization scheme (``quant_scheme.py``): from a checkpoint's
+    ``quantization_config``, ``--isq`` or a GGUF file's tensor types; None: float."""
+    from .quant_scheme import quantization_config as _choose
+
+    return _choose(source, model_config, isq, dequantize, cpu_dense_gib)
 
 
 def iter_weights(source: ModelSource) -> Iterator[Tuple[str, "LazyTensor"]]:

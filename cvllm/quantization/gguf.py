@@ -1,9 +1,9 @@
 """GGML-typed weights kept in their blocks: the config (GGUF files and ``--isq``) and the
 methods of linears, token embeddings / LM heads and fused MoE experts.
 
-Built by the worker on every rank (``build_quant_config``) from the engine's
-``QuantConfig`` before the model exists, and handed to the model constructor; each layer
-asks it for its method. A method owns the layer's packed parameter (``packed.py``: the
+The config is chosen by the loader on every rank (``loader/quant_scheme.py``) while the
+engine config is built, before the model exists, and reaches the model constructor as
+``EngineConfig.quant``; each layer asks it for its method. A method owns the layer's packed parameter (``packed.py``: the
 file's bytes, sharded by the layer's loader) and, after loading, the backend's prepared
 weights (``kernels/quant/backend.py``: Triton on CUDA, the CPU kernels, or the torch
 reference), one per run of same-type output rows. The prepared state lives on the method
@@ -22,7 +22,8 @@ Batch copies (``BatchCopyBudget``, ``--cpu-dense-gb``): a backend may keep a flo
 beside a weight's blocks that multiplies batches faster (the CPU's bf16 copy for decode
 batches of a few rows and up, where the CPU has AMX or AVX-512 BF16). The copies are granted in loading
 order until the budget runs out; the rest of the weights multiply every batch from their
-blocks.
+blocks. The budget is made when the model's first layer asks for its method (one model
+per config: each rank builds its own engine config).
 """
 
 from __future__ import annotations
@@ -125,16 +126,26 @@ class GGUFQuantConfig(QuantizationConfig):
     def __init__(self, tensor_types: Optional[Dict[str, int]] = None,
                  isq: Optional[str] = None,
                  stacked_params_mapping: Sequence[Tuple[str, str, object]] = (),
-                 batch_copy_bytes: int = 0):
+                 cpu_dense_gib: Optional[float] = 0.0):
         if (tensor_types is None) == (isq is None):
             raise ValueError("give the GGUF tensor types or an --isq type, not both")
         self.tensor_types = {k: GgmlType(v) for k, v in (tensor_types or {}).items()}
         self.isq = parse_isq(isq) if isq is not None else None
         self.mapping = list(stacked_params_mapping)
-        self.budget = BatchCopyBudget(batch_copy_bytes)
+        self.cpu_dense_gib = cpu_dense_gib
+        """``--cpu-dense-gb`` (None: auto, ``batch_copy_budget``)."""
+        self._budget: Optional[BatchCopyBudget] = None
+
+    @property
+    def budget(self) -> BatchCopyBudget:
+        """The batch copies' budget of the model built from this config, made when its
+        first layer asks (auto: a quarter of the memory available then)."""
+        if self._budget is None:
+            self._budget = BatchCopyBudget(batch_copy_budget(self.cpu_dense_gib))
+        return self._budget
 
     def loaded_note(self) -> str:
-        return self.budget.note()
+        return self._budget.note() if self._budget is not None else ""
 
     def get_name(self) -> str:
         return "gguf" if self.isq is None else f"isq:{self.isq.name}"
@@ -431,15 +442,3 @@ class GGUFMoEMethod(MoEMethodBase):
         out = out.view(T, K, -1) * topk_weights.unsqueeze(-1).float()  # [T, K, H]
         return out.sum(1).to(hidden.dtype)
 
-
-def build_quant_config(quant, model_cls) -> Optional[QuantizationConfig]:
-    """The engine's ``QuantConfig`` (plain data) as the model constructor's config."""
-    if quant is None or quant.scheme == "none":
-        return None
-    mapping = model_cls.stacked_params_mapping
-    copies = batch_copy_budget(quant.cpu_dense_gib)
-    if quant.scheme == "gguf":
-        return GGUFQuantConfig(tensor_types=quant.tensor_types, stacked_params_mapping=mapping,
-                               batch_copy_bytes=copies)
-    return GGUFQuantConfig(isq=quant.isq, stacked_params_mapping=mapping,
-                           batch_copy_bytes=copies)

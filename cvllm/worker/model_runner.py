@@ -49,7 +49,6 @@ from cvllm.layers.layernorm import pair_norm_outputs
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
 from cvllm.models.registry import get_model_class
-from cvllm.quantization.gguf import build_quant_config
 from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
@@ -130,7 +129,7 @@ class ModelRunner:
         from cvllm import loader
 
         cls = get_model_class(self.config.model.architecture)
-        quant_config = build_quant_config(self.config.quant, cls)
+        quant_config = self.config.quant  # chosen by the loader (loader/quant_scheme.py)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

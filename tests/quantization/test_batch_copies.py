@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from cvllm.config import ConfigError, QuantConfig
+from cvllm.config import ConfigError, check_cpu_dense_gib
 from cvllm.kernels.quant import ggml_cpu
 from cvllm.quantization.gguf import BatchCopyBudget, batch_copy_budget
 
@@ -36,7 +36,7 @@ def test_budget_setting():
     assert (auto > 0) == ggml_cpu.batch_copy_pays()
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--cpu-dense-gb"):
-            QuantConfig(cpu_dense_gib=bad)
+            check_cpu_dense_gib(bad)
 
 
 @pytest.mark.slow
