@@ -143,15 +143,10 @@ class MLABackend(abc.ABC):
     capabilities: ClassVar[AttentionCapabilities]
 
     @abc.abstractmethod
-    def forward(
-        self,
-        q_latent: torch.Tensor,  # [T, H, R]: q_nope absorbed through W_UK
-        q_pe: torch.Tensor,  # [T, H, P]: rotated
-        kv_c: torch.Tensor,  # [T, R]: normalised latent
-        k_pe: torch.Tensor,  # [T, P]: rotated
-        kv_cache: torch.Tensor,  # [N, bs, R + P]
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Write this step's latents, then attend causally; the latent output
-        ``[T, H, R]``, padding rows zero."""
+    def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """``q_latent [T, H, R]`` (q_nope absorbed through W_UK), ``q_pe [T, H, P]`` and
+        ``k_pe [T, P]`` (rotated), ``kv_c [T, R]`` (the normalised latent), ``kv_cache
+        [N, bs, R + P]``: write this step's latents, then attend causally; the latent
+        output ``[T, H, R]``, padding rows zero."""

@@ -145,19 +145,12 @@ class AttentionMetadata:
             bt = np.zeros((sl.shape[0], 0), dtype=np.int64)  # [B, 0]
         _check_shapes(slots, qsl, sl, bt)
         qlens = qsl[1:] - qsl[:-1]  # [B]
-        if decode_query_len < 1:
-            raise ValueError(f"decode_query_len must be >= 1, got {decode_query_len}")
         num_decodes = _count_leading_decodes(qlens, decode_query_len)
         dec, pre = slice(0, num_decodes), slice(num_decodes, None)
 
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return to_device(np.asarray(a), device, dtype)
 
-        B = sl.shape[0]
-        slots_b = (np.full(B, -1, np.int64) if state_slots is None
-                   else np.asarray(state_slots, np.int64))  # [B]
-        if slots_b.shape != (B,):
-            raise ValueError(f"state_slots {slots_b.shape} must be [B={B}]")
         meta = cls(
             slot_mapping=dev(slots, torch.int64),
             query_start_loc=dev(qsl, torch.int32),
@@ -174,9 +167,9 @@ class AttentionMetadata:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
             has_initial_state=dev(sl - qlens > 0, torch.bool),
-            state_slots=dev(slots_b, torch.int64),
+            state_slots=dev(_state_slots(state_slots, sl.shape[0]), torch.int64),
             sliding_window=int(sliding_window) if sliding_window else None,
-            decode_query_len=int(decode_query_len),
+            decode_query_len=decode_query_len,
         )
         meta.groups[meta.sliding_window] = meta
         for window, g_slots, g_tables in extra_groups:
@@ -202,7 +195,17 @@ def _max(a: np.ndarray) -> int:
     return int(a.max()) if a.size else 0
 
 
+def _state_slots(state_slots: Optional[np.ndarray], B: int) -> np.ndarray:
+    """Each sequence's linear-attention state slot ``[B]``; -1 (none) by default."""
+    slots = np.full(B, -1, np.int64) if state_slots is None else np.asarray(state_slots, np.int64)
+    if slots.shape != (B,):
+        raise ValueError(f"state_slots {slots.shape} must be [B={B}]")
+    return slots
+
+
 def _count_leading_decodes(query_lens: np.ndarray, decode_query_len: int) -> int:
+    if decode_query_len < 1:
+        raise ValueError(f"decode_query_len must be >= 1, got {decode_query_len}")
     not_decode = np.flatnonzero(query_lens != decode_query_len)
     return int(not_decode[0]) if not_decode.size else int(query_lens.size)
 

@@ -104,16 +104,10 @@ class Attention(nn.Module):
         self.split_hook: Optional[AttentionHook] = None
         """Set by ``split_at_attention`` on this model's layers only."""
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        positions: Optional[torch.Tensor] = None,
-        rotary_emb: Optional["RotaryEmbedding"] = None,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: AttentionMetadata,
+                positions: Optional[torch.Tensor] = None,
+                rotary_emb: Optional["RotaryEmbedding"] = None) -> torch.Tensor:
         """``query [T, H*D]``, ``key``/``value [T, Hkv*D]`` -> ``[T, H*D]`` (``attend``),
         or whatever the active ``split_at_attention`` hook returns."""
         hook = self.split_hook
