@@ -171,6 +171,11 @@ def test_padded_mixed_tokens_match_dense_interpreted_on_cpu():
     run_in_interpreter(code, timeout=600)
 
 
+def test_only_backends_that_run_between_pieces_are_split():
+    assert "torch_ref cannot run between graph pieces" in mg.split_unsafe_reason(TwoWindows())
+    assert mg.split_unsafe_reason(TwoWindows(backend="triton")) is None
+
+
 def test_cpu_runner_builds_no_mixed_runner(monkeypatch):
     monkeypatch.setattr(mr, "get_model_class", lambda arch: TwoWindows)
     runner = mr.ModelRunner(_config(backend="triton"), source=None)
