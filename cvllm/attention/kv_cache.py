@@ -146,8 +146,8 @@ def allocate_kv_cache(
 
 def _zeros_kv_cache(shape, dtype: torch.dtype, device) -> KVCache:
     """A zeroed K/V cache; an FP8 one gets its scales (module docstring)."""
-    k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
-                                                                       device=device)
+    k = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, Hkv, D]
+    v = torch.zeros(shape, dtype=dtype, device=device)
     return KVCache.fp8(k, v) if dtype == FP8_KV_DTYPE else KVCache(k, v)
 
 
