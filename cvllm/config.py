@@ -20,6 +20,14 @@ DTYPES = ("bf16", "f16", "f32")
 ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
 
 
+def resolve_attention_backend(name: str, device: str) -> str:
+    """``auto`` -> ``triton`` on a ``cuda`` device, ``torch_ref`` elsewhere; any other
+    name as it is."""
+    if name != "auto":
+        return name
+    return "triton" if device == "cuda" else "torch_ref"
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -36,10 +44,17 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     source: str = ""
     """Where the model came from (a folder or a .gguf path), for logs and /v1/models."""
+    attention_backend: str = "auto"
+    """The attention backend the model's layers run (``attention/backend.py``), handed by
+    the model constructors to every ``Attention``. ``EngineConfig`` sets it, resolved
+    (``triton`` or ``torch_ref``); ``auto`` is left only for models built by hand."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention backend must be one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             v = self.hf_config.get(key)
             if not isinstance(v, int) or v <= 0:
@@ -253,7 +268,8 @@ class EngineConfig:
     ``--cuda-graph-max-tokens``); 0: they run eagerly, unpadded."""
     attention_backend: str = "auto"
     """``auto`` (Triton on CUDA, the torch reference on the CPU), ``triton`` or
-    ``torch_ref`` (``--attention-backend``; ``attention/backend.py``)."""
+    ``torch_ref`` (``--attention-backend``; ``attention/backend.py``). Resolved for the
+    device into ``model.attention_backend`` here, once."""
     quant: Optional[Any] = None
     """The weights' quantization scheme: the ``quantization.base.QuantizationConfig`` the
     loader chose (``loader/quant_scheme.py``: a GGUF file's tensor types, ``--isq``, a
@@ -267,6 +283,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"--attention-backend must be one of "
                               f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        self.model.attention_backend = resolve_attention_backend(self.attention_backend,
+                                                                 self.device.device)
         if self.cuda_graph_max_tokens < 0:
             raise ConfigError(f"--cuda-graph-max-tokens must be >= 0, got "
                               f"{self.cuda_graph_max_tokens}")

@@ -21,14 +21,16 @@ more blocks in a sliding group than in a full one.
 ``KVCacheSpec`` / ``allocate_kv_cache`` are the uniform (all full-attention) special
 case, kept for tests and tools that build one pool by hand.
 
+A full or sliding layer's cache is a ``KVCache``: its K and V tensors and, for an FP8
+cache, their scales. The worker owns one per layer; models pass it, as one object, from
+``kv_caches[i]`` to their attention layer, which hands it to the backend.
+
 FP8 KV cache (``--fp8-kvcache``): ``fp8_kv_specs`` turns the full and sliding specs'
 dtype into ``torch.float8_e4m3fn`` before sizing, so bytes per block halve against
 bf16 and the same budget holds twice the blocks; MLA latents and linear-attention states
-stay in the model dtype. Every FP8 cache tensor carries its scale as the attribute
-``kv_scale``: a ``[1]`` float32 tensor on the cache's device, one per layer for K and
-one for V, which the backends hand to the kernels (``kv_scales``). It rides on the
-tensor so neither the models nor ``layers/attention.py`` change: they pass the same
-tensor objects through.
+stay in the model dtype. Every FP8 ``KVCache`` carries its scales, ``k_scale`` and
+``v_scale``: ``[1]`` float32 tensors on the cache's device, one per layer for K and one
+for V, which the backends hand to the kernels.
 
 Scale choice: per layer and per tensor, calibrated once from the first real write --
 ``2 x max|x| / 448`` of the first prefill's K (or V) of that layer, a factor-2 margin for
@@ -37,10 +39,10 @@ A fixed 1.0 (vLLM's default without checkpoint scales) was measured coarser: in
 SmolLM2-135M (bf16), 41% of layer 0's V values lie below e4m3's smallest normal (2**-6),
 and teacher-forced greedy tokens matched the bf16 cache's 94.2% of the time, against
 97.4% with the calibrated scale (tests/engine/test_fp8_kvcache.py). The
-calibration (``calibrate_kv_scale``, called by both backends before a write) runs on
-the device with no host sync and rewrites the ``[1]`` tensor in place, so kernel
-arguments and CUDA graph pointers stay valid; it runs while the tensor's
-``kv_scale_pending`` is set: from allocation, and again after the worker's CUDA graph
+calibration (``calibrate_kv_scales``, called by both backends before a write) runs on
+the device with no host sync and rewrites the ``[1]`` tensors in place, so kernel
+arguments and CUDA graph pointers stay valid; it runs while the cache's
+``scales_pending`` is set: from allocation, and again after the worker's CUDA graph
 warm-up and capture (``reset_kv_scales``), whose dummy inputs must not fix the scales.
 The first real step holds prompt tokens, so it runs eagerly and calibrates.
 """
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -70,10 +72,40 @@ FP8_KV_SCALE = 1.0
 FP8_KV_MARGIN = 2.0
 """Headroom of the calibrated scale over the first write's max |x|."""
 
-KVCache = Tuple[torch.Tensor, torch.Tensor]
-"""One attention layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``."""
-LayerCache = Tuple[Optional[torch.Tensor], ...]
-"""Any layer's cache: ``(k, v)``, MLA's ``(kv, None)`` or a state layer's tensors."""
+
+@dataclass(eq=False)
+class KVCache:
+    """One full or sliding attention layer's paged cache (allocated by the worker, owned
+    by it for the engine's life; the model passes it to the layer each step)."""
+
+    k: torch.Tensor  # [N, bs, Hkv, D]
+    v: torch.Tensor  # [N, bs, Hkv, D]
+    k_scale: Optional[torch.Tensor] = None
+    """FP8 only: ``[1]`` float32 on the cache's device; cached = clamp(k / k_scale, +-448)."""
+    v_scale: Optional[torch.Tensor] = None
+    scales_pending: bool = False
+    """FP8 only: the next write of real tokens calibrates the scales (module docstring)."""
+
+    def __post_init__(self) -> None:
+        fp8 = self.k.dtype == FP8_KV_DTYPE or self.v.dtype == FP8_KV_DTYPE
+        if fp8 != (self.k_scale is not None) or fp8 != (self.v_scale is not None):
+            raise ValueError("a KV cache has scales exactly when it is FP8: build an FP8 "
+                             "one with KVCache.fp8 (or attention/kv_cache.py's allocation)")
+
+    @classmethod
+    def fp8(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A fresh FP8 cache: scales ``FP8_KV_SCALE``, calibrated at its first write."""
+        def scale() -> torch.Tensor:
+            return torch.full((1,), FP8_KV_SCALE, dtype=torch.float32, device=k.device)
+        return cls(k, v, scale(), scale(), scales_pending=True)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """K then V: for code that walks every layer's tensors alike (block copies, sizes)."""
+        return iter((self.k, self.v))
+
+
+LayerCache = Union[KVCache, Tuple[Optional[torch.Tensor], ...]]
+"""Any layer's cache: a ``KVCache``, MLA's ``(kv, None)`` or a state layer's tensors."""
 
 
 @dataclass(frozen=True)
@@ -109,50 +141,35 @@ def allocate_kv_cache(
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)  # [N, bs, Hkv, D]
-    return [
-        (_zeros_cache(shape, spec.dtype, device), _zeros_cache(shape, spec.dtype, device))
-        for _ in range(spec.num_layers)
-    ]
+    return [_zeros_kv_cache(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
 
-def _zeros_cache(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed K or V cache; an FP8 one gets its ``kv_scale`` (module docstring)."""
-    t = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype == FP8_KV_DTYPE:
-        t.kv_scale = torch.full((1,), FP8_KV_SCALE, dtype=torch.float32, device=device)
-        t.kv_scale_pending = True
-    return t
+def _zeros_kv_cache(shape, dtype: torch.dtype, device) -> KVCache:
+    """A zeroed K/V cache; an FP8 one gets its scales (module docstring)."""
+    k = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, Hkv, D]
+    v = torch.zeros(shape, dtype=dtype, device=device)
+    return KVCache.fp8(k, v) if dtype == FP8_KV_DTYPE else KVCache(k, v)
 
 
-def calibrate_kv_scale(cache: torch.Tensor, x: torch.Tensor) -> None:
-    """Before the first write of real tokens ``x [T, Hkv, D]`` into an FP8 ``cache``: set
-    its scale to ``FP8_KV_MARGIN * max|x| / 448`` (1.0 when x is all zero), in place,
-    without a host sync. A no-op for other caches and once calibrated."""
-    if not getattr(cache, "kv_scale_pending", False) or x.numel() == 0:
+def calibrate_kv_scales(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Before the first write of real tokens ``k``, ``v [T, Hkv, D]`` into an FP8
+    ``cache`` (``scales_pending``): set each scale to ``FP8_KV_MARGIN * max|x| / 448``
+    (1.0 when x is all zero), in place, without a host sync. A no-op once calibrated and
+    for a write of no tokens."""
+    if not cache.scales_pending or k.numel() == 0:
         return
-    amax = x.detach().abs().amax().float()
-    cache.kv_scale.copy_(torch.where(amax > 0, amax * (FP8_KV_MARGIN / FP8_E4M3_MAX),
-                                     torch.ones_like(amax)).reshape(1))
-    cache.kv_scale_pending = False
+    for x, scale in ((k, cache.k_scale), (v, cache.v_scale)):
+        amax = x.detach().abs().amax().float()
+        scale.copy_(torch.where(amax > 0, amax * (FP8_KV_MARGIN / FP8_E4M3_MAX),
+                                torch.ones_like(amax)).reshape(1))
+    cache.scales_pending = False
 
 
 def reset_kv_scales(caches: Sequence[LayerCache]) -> None:
     """Make every FP8 cache recalibrate on its next write (after dummy warm-up steps)."""
     for c in caches:
-        for t in c:
-            if t is not None and t.dtype == FP8_KV_DTYPE:
-                t.kv_scale_pending = True
-
-
-def kv_scales(cache: torch.Tensor) -> Optional[torch.Tensor]:
-    """The ``[1]`` float32 scale of an FP8 K or V cache; None for other caches."""
-    if cache.dtype != FP8_KV_DTYPE:
-        return None
-    scale = getattr(cache, "kv_scale", None)
-    if scale is None:
-        raise ValueError("an FP8 KV cache tensor without its kv_scale: allocate it with "
-                         "attention/kv_cache.py, and pass the tensor itself, not a view")
-    return scale
+        if isinstance(c, KVCache) and c.k_scale is not None:
+            c.scales_pending = True
 
 
 def fp8_kv_specs(specs: Sequence[LayerCacheSpec]) -> List[LayerCacheSpec]:
@@ -309,8 +326,7 @@ def allocate_kv_caches(
             caches.append((torch.zeros((n, bs, width), dtype=spec.dtype, device=device), None))
         else:
             shape = (n, bs, spec.num_kv_heads, spec.head_dim)  # [N, bs, Hkv, D]
-            caches.append((_zeros_cache(shape, spec.dtype, device),
-                           _zeros_cache(shape, spec.dtype, device)))
+            caches.append(_zeros_kv_cache(shape, spec.dtype, device))
     return caches
 
 

@@ -11,6 +11,9 @@ Token order is the scheduler's: sequence ``b`` owns the query tokens
 first; the backends use ``num_decodes`` to split the batch into an all-decode head and a
 prefill tail (a tail that still holds single-token rows is handled correctly, just
 slower). Tokens past ``num_tokens`` (padding, e.g. for CUDA graphs) are ignored.
+``decode_query_len`` leaves room for speculative verification: decode sequences of
+``1 + drafts`` tokens each, which only a backend declaring ``multi_token_decode``
+(``attention/interface.py``) may be given; today every builder leaves it at 1.
 
 KV cache groups (``core/kv_cache_manager.py``): each group has its own ``slot_mapping``
 and ``block_tables``; everything else is shared. The object the model receives is group
@@ -70,7 +73,8 @@ class AttentionMetadata:
     # Derived on the host in ``build`` so backends never sync to learn a size.
     query_lens: torch.Tensor  # [B] int32
     num_decodes: int
-    """Leading sequences with exactly one query token (their tokens are 0..num_decodes-1)."""
+    """Leading sequences with exactly ``decode_query_len`` query tokens (one: their tokens
+    are 0..num_decodes-1)."""
     decode_max_seq_len: int
     """Longest context among the leading decode sequences (0 when none)."""
     prefill_max_seq_len: int
@@ -83,6 +87,9 @@ class AttentionMetadata:
     state_slots: Optional[torch.Tensor] = None  # [B] int64: linear-attention state slot, -1 none
     sliding_window: Optional[int] = None
     """Window of the KV cache group whose slot_mapping / block_tables these are."""
+    decode_query_len: int = 1
+    """Query tokens of each decode sequence: 1, or ``1 + drafts`` for speculative
+    verification (``build(decode_query_len=)``; a backend with ``multi_token_decode``)."""
     groups: Dict[Optional[int], "AttentionMetadata"] = field(default_factory=dict, repr=False)
     """Every group's view by window (this one included); shared by all views."""
     host_cache: Dict[Any, Any] = field(
@@ -122,12 +129,14 @@ class AttentionMetadata:
         sliding_window: Optional[int] = None,
         extra_groups: Sequence[Tuple[Optional[int], np.ndarray, np.ndarray]] = (),
         state_slots: Optional[np.ndarray] = None,
+        decode_query_len: int = 1,
     ) -> "AttentionMetadata":
         """Check the host arrays, derive the split sizes, copy everything to ``device``.
 
         ``slot_mapping`` / ``block_tables`` are group 0's (window ``sliding_window``);
         ``extra_groups`` are ``(window, slot_mapping [T], block_tables [B, M])`` of the
-        others; ``state_slots [B]`` defaults to -1 (no state layers)."""
+        others; ``state_slots [B]`` defaults to -1 (no state layers); the leading
+        sequences of ``decode_query_len`` tokens each are the decodes."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)  # [B+1]
         sl = np.asarray(seq_lens, dtype=np.int64)  # [B]
         bt = np.asarray(block_tables, dtype=np.int64)  # [B, M]
@@ -136,17 +145,12 @@ class AttentionMetadata:
             bt = np.zeros((sl.shape[0], 0), dtype=np.int64)  # [B, 0]
         _check_shapes(slots, qsl, sl, bt)
         qlens = qsl[1:] - qsl[:-1]  # [B]
-        num_decodes = _count_leading_decodes(qlens)
+        num_decodes = _count_leading_decodes(qlens, decode_query_len)
         dec, pre = slice(0, num_decodes), slice(num_decodes, None)
 
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return to_device(np.asarray(a), device, dtype)
 
-        B = sl.shape[0]
-        slots_b = (np.full(B, -1, np.int64) if state_slots is None
-                   else np.asarray(state_slots, np.int64))  # [B]
-        if slots_b.shape != (B,):
-            raise ValueError(f"state_slots {slots_b.shape} must be [B={B}]")
         meta = cls(
             slot_mapping=dev(slots, torch.int64),
             query_start_loc=dev(qsl, torch.int32),
@@ -163,8 +167,9 @@ class AttentionMetadata:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
             has_initial_state=dev(sl - qlens > 0, torch.bool),
-            state_slots=dev(slots_b, torch.int64),
+            state_slots=dev(_state_slots(state_slots, sl.shape[0]), torch.int64),
             sliding_window=int(sliding_window) if sliding_window else None,
+            decode_query_len=decode_query_len,
         )
         meta.groups[meta.sliding_window] = meta
         for window, g_slots, g_tables in extra_groups:
@@ -190,8 +195,18 @@ def _max(a: np.ndarray) -> int:
     return int(a.max()) if a.size else 0
 
 
-def _count_leading_decodes(query_lens: np.ndarray) -> int:
-    not_decode = np.flatnonzero(query_lens != 1)
+def _state_slots(state_slots: Optional[np.ndarray], B: int) -> np.ndarray:
+    """Each sequence's linear-attention state slot ``[B]``; -1 (none) by default."""
+    slots = np.full(B, -1, np.int64) if state_slots is None else np.asarray(state_slots, np.int64)
+    if slots.shape != (B,):
+        raise ValueError(f"state_slots {slots.shape} must be [B={B}]")
+    return slots
+
+
+def _count_leading_decodes(query_lens: np.ndarray, decode_query_len: int) -> int:
+    if decode_query_len < 1:
+        raise ValueError(f"decode_query_len must be >= 1, got {decode_query_len}")
+    not_decode = np.flatnonzero(query_lens != decode_query_len)
     return int(not_decode[0]) if not_decode.size else int(query_lens.size)
 
 

@@ -5,8 +5,9 @@ Built by ``models/deepseek_v2.py``, one per decoder layer, on every rank; it hol
 cache. Each forward gets that layer's ``(kv_cache, None)`` from the worker (allocated from
 ``MLASpec``: ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``) and
 the step's ``AttentionMetadata``. Per token only the normalised latent ``c_kv`` and the
-rotated rope key ``k_pe`` are cached; see ``attention/backends/torch_ref_mla.py`` for the
-absorbed attention that reads them.
+rotated rope key ``k_pe`` are cached; see ``attention/backends/torch_ref_mla.py`` (the
+one ``attention/interface.MLABackend`` so far, held by every MLA layer) for the absorbed
+attention that reads them.
 
 Projections follow Hugging Face's ``DeepseekV2Attention`` / ``DeepseekV3Attention``:
 ``q_proj`` (no q LoRA, e.g. V2-Lite) or ``q_a_proj -> q_a_layernorm -> q_b_proj``,
@@ -160,7 +161,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.scale = float(scale)
         self.prefix = prefix
-        self.backend = TorchRefMLABackend
+        self.backend = TorchRefMLABackend()
         # Filled by process_weights_after_loading from this rank's kv_b_proj.
         self.register_buffer("w_uk", torch.empty(0, dtype=dt), persistent=False)  # [H, Dn, R]
         self.register_buffer("w_uv", torch.empty(0, dtype=dt), persistent=False)  # [H, Dv, R]

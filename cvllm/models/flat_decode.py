@@ -33,6 +33,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from cvllm.attention.interface import AttentionParams
+from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.layers.attention import Attention
 from cvllm.layers.layernorm import RMSNorm
@@ -59,9 +61,8 @@ class _FlatLayer:
     heads: int
     kv_heads: int
     head_dim: int
-    scale: float
     sliding_window: Optional[int]
-    softcap: Optional[float]
+    params: AttentionParams  # the attention layer's: scale, window, softcap
     q_map: Optional[Fn] = None  # the attention's qk_maps: [T, heads * D] -> same
     k_map: Optional[Fn] = None
 
@@ -131,7 +132,7 @@ class FlatDecoder:
             act_down=mlp.down_proj.quant_method.host_linear(mlp.down_proj, act_fn=mlp.act_fn),
             attend=a.backend.forward,
             heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_size,
-            scale=a.scale, sliding_window=a.sliding_window, softcap=a.logits_soft_cap,
+            sliding_window=a.sliding_window, params=a.params,
             q_map=q_map, k_map=k_map,
         )
 
@@ -142,17 +143,17 @@ class FlatDecoder:
         hidden = self.embed(input_ids)  # [T, hidden]
         rotate = self.rotary.host_rotation(positions, hidden.dtype)
         residual = None
-        for lay, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for lay, kv_cache in zip(self.layers, kv_caches):
             residual = hidden if residual is None else hidden + residual
-            hidden = self._attention(lay, lay.input_norm(residual), rotate, k_cache, v_cache,
+            hidden = self._attention(lay, lay.input_norm(residual), rotate, kv_cache,
                                      attn_metadata)
             residual = hidden + residual
             hidden = lay.act_down(lay.gate_up(lay.post_norm(residual)))  # [T, hidden]
         return self.final_norm(hidden + residual)  # [T, hidden]
 
     @staticmethod
-    def _attention(lay: _FlatLayer, x: torch.Tensor, rotate: Fn, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(lay: _FlatLayer, x: torch.Tensor, rotate: Fn, kv_cache: KVCache,
+                   meta: AttentionMetadata) -> torch.Tensor:
         """The attention's ``flat_forward`` of normed rows ``x [T, hidden]``."""
         qkv = lay.qkv(x)  # [T, (H + 2 Hkv) * D]
         T, D = qkv.shape[0], lay.head_dim
@@ -166,6 +167,6 @@ class FlatDecoder:
         q = q.reshape(T, lay.heads, D)  # [T, H, D]
         k = k.reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
         v = qkv[:, qk_cols:].reshape(T, lay.kv_heads, D)  # [T, Hkv, D]
-        out = lay.attend(q, k, v, k_cache, v_cache, meta.view(lay.sliding_window), lay.scale,
-                         lay.sliding_window, lay.softcap)  # [T, H, D]
+        out = lay.attend(q, k, v, kv_cache, meta.view(lay.sliding_window),
+                         lay.params)  # [T, H, D]
         return lay.o(out.reshape(T, lay.heads * D))  # [T, hidden]

@@ -136,6 +136,7 @@ class GemmaAttention(nn.Module):
             self.num_heads, self.head_dim, scalar**-0.5, self.num_kv_heads,
             sliding_window=plan.sliding_window, logits_soft_cap=plan.attn_softcap,
             prefix=f"{prefix}.attn",
+            backend=config.attention_backend,
         )
 
     def forward(

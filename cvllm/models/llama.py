@@ -123,6 +123,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
+            backend=config.attention_backend,
         )
 
     def forward(

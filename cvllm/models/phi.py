@@ -72,6 +72,7 @@ class PhiAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
             prefix=f"{prefix}.attn",
+            backend=config.attention_backend,
         )
 
     def _norm_heads(self, x: torch.Tensor, norm: LayerNorm) -> torch.Tensor:

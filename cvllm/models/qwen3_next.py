@@ -140,7 +140,8 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = Qwen3NextRMSNorm(self.head_dim, eps, dtype)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
-                              self.num_kv_heads, prefix=f"{prefix}.attn")
+                              self.num_kv_heads, prefix=f"{prefix}.attn",
+                              backend=config.attention_backend)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

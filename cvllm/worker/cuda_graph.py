@@ -1,8 +1,8 @@
 """Pure-decode steps at padded batch sizes, replayed from CUDA graphs.
 
 Built by the ``ModelRunner`` (every rank, CUDA only) after the KV cache is allocated,
-when every attention layer runs a graph-safe backend (``graph_unsafe_reason``); owned by
-that runner for the life of the engine. It owns:
+when every attention layer's backend declares ``cuda_graphs`` (``graph_unsafe_reason``);
+owned by that runner for the life of the engine. It owns:
 
 - ``DecodeBuffers``: the static device inputs of a decode step of up to ``max_bs`` rows
   (input_ids, positions, slot_mapping and block_tables of every KV group, seq_lens,
@@ -59,11 +59,6 @@ OWN_LOGITS_ROWS = 8
 rows of a 128k vocabulary, float32) instead of copying them into the shared buffer: the
 copy was a kernel of 2.7 us at the end of every batch-1 step (8B, H200)."""
 
-GRAPH_SAFE_BACKENDS = ("triton",)
-"""Attention backends that take every size from the metadata's host ints and never read
-its host arrays, so one capture serves every step of its size."""
-
-
 def capture_sizes(max_num_seqs: int, limit: int = CAPTURE_SIZE_LIMIT) -> List[int]:
     """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs``
     (included even when not a multiple of 8) or ``limit``, ascending."""
@@ -91,8 +86,8 @@ def is_pure_decode(step: StepInput) -> bool:
 def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec]) -> Optional[str]:
     """Why decode steps of this model cannot be padded and captured; None when they can.
     MLA and linear-attention (state) layers plan on the host from the metadata's host
-    arrays, as does the torch reference backend, so a capture would freeze one step's
-    sizes into every replay."""
+    arrays, as does any attention backend that does not declare ``cuda_graphs`` (the
+    torch reference), so a capture would freeze one step's sizes into every replay."""
     from cvllm.layers.attention import Attention
     from cvllm.layers.moe import FusedMoE
 
@@ -102,7 +97,7 @@ def graph_unsafe_reason(model: torch.nn.Module, specs: Sequence[LayerCacheSpec])
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     if not attns:
         return "the model has no paged attention layers"
-    names = sorted({a.backend.name for a in attns} - set(GRAPH_SAFE_BACKENDS))
+    names = sorted({a.backend.name for a in attns if not a.backend.capabilities.cuda_graphs})
     if names:
         return f"attention backend {', '.join(names)} plans on the host"
     for m in model.modules():

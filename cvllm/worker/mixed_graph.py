@@ -8,9 +8,10 @@ short suffix, and every decode that shares the step with them) used to run eager
 its ~290 launches for an 8B model held the host for 18-21 ms against about 8 ms of GPU
 work (``docs/adr/mixed-step-cuda-graphs.md``).
 
-How (vLLM's piecewise graphs, done by the runner for every model family): for each token
-size T of ``token_sizes`` the model's forward runs once under
-``layers.attention.split_at_attention``. Each ``Attention.forward`` call ends the graph
+How (vLLM's piecewise graphs, done by the runner for every model family, where every
+attention backend declares ``split_graphs``): for each token size T of ``token_sizes``
+the model's forward runs once under ``layers.attention.split_at_attention`` (set on this
+runner's model only). Each ``Attention.forward`` call ends the graph
 being captured, is recorded as a hole, and starts the next graph: a model of L attention
 layers gives L + 1 graphs (embedding, layer 0 up to its QKV projection; layer i's output
 projection, MLP and norm up to layer i+1's QKV; ...; the final norm). The hole's query,
@@ -65,6 +66,16 @@ def token_sizes(max_tokens: int, step_budget: int) -> List[int]:
         sizes.append(t)
         t *= 2
     return sizes + [top]
+
+
+def split_unsafe_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why this model's steps with prompt tokens cannot be captured piece by piece; None
+    when every attention layer's backend declares ``split_graphs``."""
+    names = sorted({m.backend.name for m in model.modules()
+                    if isinstance(m, Attention) and not m.backend.capabilities.split_graphs})
+    if not names:
+        return None
+    return f"attention backend {', '.join(names)} cannot run between graph pieces"
 
 
 class _Hole:
@@ -249,7 +260,7 @@ class MixedGraphRunner:
             with pdl.eager_launches():  # as every replay launches it
                 return layer.attend(q, k, v, kv_cache, attn_metadata, p, rotary_emb, out=out)
 
-        with pdl.graph_launches(), split_at_attention(warm):
+        with pdl.graph_launches(), split_at_attention(self.model, warm):
             return self.model(ids, pos, meta, self.kv_caches)
 
     def _capture_size(self, T: int, pool, stream: torch.cuda.Stream) -> None:
@@ -277,7 +288,7 @@ class MixedGraphRunner:
         with torch.cuda.stream(stream):
             begin()
             try:
-                with split_at_attention(hole):
+                with split_at_attention(self.model, hole):
                     hidden = self.model(ids, pos, meta, self.kv_caches)
             finally:
                 pieces[-1].capture_end()

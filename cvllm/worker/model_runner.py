@@ -10,8 +10,9 @@ start afresh, runs the forward and, on rank 0, samples the next tokens.
 
 On CUDA: the KV cache gets ``--gpu-memory-fraction`` of what is left after profiling the
 largest step (``worker/memory.py``) unless ``--mem`` sizes it; attention layers run the
-Triton backend (``attention/backend.py``); pure-decode steps that fit a capture size run
-padded through ``worker/cuda_graph.py`` (graphs captured right after the KV cache is
+Triton backend (``ModelConfig.attention_backend``, resolved by ``EngineConfig``, which
+the model constructor hands to its layers); pure-decode steps that fit a capture size
+run padded through ``worker/cuda_graph.py`` (graphs captured right after the KV cache is
 allocated, replayed unless ``--disable-cuda-graph``), and steps with prompt tokens of up
 to ``--cuda-graph-max-tokens`` tokens run padded through ``worker/mixed_graph.py``
 (graphs captured piece by piece around the attention); rank 0 brings the sampled ids back
@@ -27,7 +28,6 @@ from typing import List, Optional, Union
 import numpy as np
 import torch
 
-from cvllm.attention.backend import forced_attn_backend
 from cvllm.attention.kv_cache import (
     CacheSizing,
     LayerCache,
@@ -45,6 +45,7 @@ from cvllm.distributed import parallel_state
 from cvllm.core.sampling_batch import SamplingBatch
 from cvllm.core.step_input import StepInput, StepInputError
 from cvllm.kernels.transfer import to_device
+from cvllm.layers.attention import require_capabilities
 from cvllm.layers.layernorm import pair_norm_outputs
 from cvllm.layers.sampler import Sampler, SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
@@ -53,7 +54,7 @@ from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
 from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
                                      patch_placeholders)
-from cvllm.worker.mixed_graph import MixedGraphRunner, token_sizes
+from cvllm.worker.mixed_graph import MixedGraphRunner, split_unsafe_reason, token_sizes
 from cvllm.worker.output_copy import OutputCopy, PendingOutput, StepResult
 
 __all__ = ["ModelRunner", "PendingStep", "DeferredSampling", "StepResult", "model_cache_specs", "patch_placeholders"]
@@ -84,6 +85,7 @@ class ModelRunner:
                             paired)
         self.cache_specs: List[LayerCacheSpec] = model_cache_specs(self.model, config, self.dtype)
         if config.cache.fp8_kvcache:  # halves bytes per block: sizing and allocation see it
+            require_capabilities(self.model, "fp8_cache")
             self.cache_specs = fp8_kv_specs(self.cache_specs)
         graph_unsafe = (graph_unsafe_reason(self.model, self.cache_specs)
                         if self.device.type == "cuda" else "not on CUDA")
@@ -133,7 +135,7 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), forced_attn_backend(self.config.attention_backend):
+            with torch.device(self.device):  # the layers' backend: config.model.attention_backend
                 model = cls(self.config.model, quant_config)
         finally:
             torch.set_default_dtype(prev)
@@ -222,6 +224,10 @@ class ModelRunner:
         pool (CUDA, graph-safe models, ``--cuda-graph-max-tokens`` > 0)."""
         sizes = self._mixed_sizes()
         if self.graphs is None or not sizes:
+            return None
+        unsafe = split_unsafe_reason(self.model)
+        if unsafe is not None:
+            logger.info("steps with prompt tokens run eagerly, unpadded: %s", unsafe)
             return None
         mixed = MixedGraphRunner(
             self.model, self.kv_caches, sizes=sizes, block_size=self.config.cache.block_size,

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from cvllm.attention.backends import torch_ref
+from cvllm.attention.interface import AttentionParams
 from cvllm.attention.kv_cache import (
     FP8_KV_MARGIN,
+    KVCache,
     KVCacheSpec,
     allocate_kv_cache,
-    kv_scales,
     reset_kv_scales,
 )
 from cvllm.attention.metadata import AttentionMetadata
@@ -66,23 +67,23 @@ def run_fp8_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16, atol=2e-
 
     steps, tables = _steps(heads, d, dtype)
     spec = KVCacheSpec(num_layers=2, num_kv_heads=heads[1], head_dim=d, block_size=BS, dtype=FP8)
-    (rk, rv), (tk, tv) = allocate_kv_cache(spec, 1 + 3 * len(SEQS), device)
+    rc, tc = allocate_kv_cache(spec, 1 + 3 * len(SEQS), device)  # reference's, Triton's
     first_k = None
     for q, k, v, slots, qsl, seq_lens in steps:
         q, k, v = q.to(device), k.to(device), v.to(device)
         meta = _meta(slots, qsl, seq_lens, tables, device)
-        want = torch_ref.forward(q, k, v, rk, rv, meta, d**-0.5)
-        got = triton_backend.forward(q, k, v, tk, tv, meta, d**-0.5)
+        want = torch_ref.forward(q, k, v, rc, meta, AttentionParams(d**-0.5))
+        got = triton_backend.forward(q, k, v, tc, meta, AttentionParams(d**-0.5))
         first_k = k if first_k is None else first_k
         expected_scale = first_k.abs().amax().float() * FP8_KV_MARGIN / 448
-        torch.testing.assert_close(kv_scales(rk)[0], expected_scale)  # kept after step 1
-        torch.testing.assert_close(kv_scales(tk), kv_scales(rk))
+        torch.testing.assert_close(rc.k_scale[0], expected_scale)  # kept after step 1
+        torch.testing.assert_close(tc.k_scale, rc.k_scale)
         oracle = ref.prefill_attention_ref(
-            q, rk, rv, meta.block_tables, meta.query_start_loc, meta.seq_lens, d**-0.5,
-            k_scale=kv_scales(rk), v_scale=kv_scales(rv))
+            q, rc.k, rc.v, meta.block_tables, meta.query_start_loc, meta.seq_lens, d**-0.5,
+            k_scale=rc.k_scale, v_scale=rc.v_scale)
         torch.testing.assert_close(want.float(), oracle.float(), atol=atol, rtol=atol)
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=atol)
-        for tri, r in ((tk, rk), (tv, rv)):
+        for tri, r in ((tc.k, rc.k), (tc.v, rc.v)):
             same = (tri.view(torch.uint8) == r.view(torch.uint8)).float().mean().item()
             assert same == 1.0 if device == "cpu" else same >= 0.99, same
 
@@ -98,7 +99,7 @@ def run_fp8_rope_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16):
 
     steps, tables = _steps(heads, d, dtype, seed=5)
     spec = KVCacheSpec(num_layers=2, num_kv_heads=heads[1], head_dim=d, block_size=BS, dtype=FP8)
-    (fk, fv), (uk, uv) = allocate_kv_cache(spec, 1 + 3 * len(SEQS), device)
+    fc, uc = allocate_kv_cache(spec, 1 + 3 * len(SEQS), device)  # fused, unfused
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
     angles = torch.arange(64).float()[:, None] * inv_freq[None, :]  # [64, d/2]
     cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)  # [64, d]
@@ -107,14 +108,14 @@ def run_fp8_rope_case(device="cpu", dtype=torch.float32, heads=(4, 2), d=16):
         positions = torch.randint(0, 64, (q.shape[0],)).to(device)
         q, k, v = q.to(device), k.to(device), v.to(device)
         q2, k2 = q.clone(), k.clone()
-        got = triton_backend.forward(q, k, v, fk, fv, meta, d**-0.5,
+        got = triton_backend.forward(q, k, v, fc, meta, AttentionParams(d**-0.5),
                                      rope=RopeInputs(positions, cache, d, True))
         rotary_embedding(positions, q2, k2, cache, d, True)
-        want = triton_backend.forward(q2, k2, v, uk, uv, meta, d**-0.5)
-        assert not fk.kv_scale_pending and kv_scales(fk).item() != 1.0
-        for a, b in ((got, want), (q, q2), (k, k2), (kv_scales(fk), kv_scales(uk)),
-                     (kv_scales(fv), kv_scales(uv)), (fk.view(torch.uint8), uk.view(torch.uint8)),
-                     (fv.view(torch.uint8), uv.view(torch.uint8))):
+        want = triton_backend.forward(q2, k2, v, uc, meta, AttentionParams(d**-0.5))
+        assert not fc.scales_pending and fc.k_scale.item() != 1.0
+        for a, b in ((got, want), (q, q2), (k, k2), (fc.k_scale, uc.k_scale),
+                     (fc.v_scale, uc.v_scale), (fc.k.view(torch.uint8), uc.k.view(torch.uint8)),
+                     (fc.v.view(torch.uint8), uc.v.view(torch.uint8))):
             assert torch.equal(a, b)
 
 
@@ -126,26 +127,28 @@ def test_fp8_backends_interpreted_on_cpu():
 
 def test_torch_ref_calibrates_once_and_reset_rearms():
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=BS, dtype=FP8)
-    [(kc, vc)] = allocate_kv_cache(spec, 2, "cpu")
-    assert kc.kv_scale_pending and kv_scales(kc).item() == 1.0
+    [c] = allocate_kv_cache(spec, 2, "cpu")
+    assert c.scales_pending and c.k_scale.item() == 1.0
     x = torch.full((3, 2, 8), 7.0)
-    torch_ref.write_kv(x, x * 0, kc, vc, torch.tensor([0, 1, 2]))
-    assert kv_scales(kc).item() == pytest.approx(7.0 * FP8_KV_MARGIN / 448)
-    assert kv_scales(vc).item() == 1.0  # all-zero first write: the neutral scale
-    assert kc.float().abs().max().item() == 224.0  # 7 / scale, half the range: the margin
-    torch_ref.write_kv(x * 100, x, kc, vc, torch.tensor([3, 4, 5]))
-    assert kv_scales(kc).item() == pytest.approx(7.0 * FP8_KV_MARGIN / 448)  # unchanged
-    assert kc.float().abs().max().item() == 448.0  # saturated, not NaN
-    reset_kv_scales([(kc, vc)])
-    torch_ref.write_kv(x * 2, x, kc, vc, torch.tensor([6, 7, 8]))
-    assert kv_scales(kc).item() == pytest.approx(14.0 * FP8_KV_MARGIN / 448)
+    torch_ref.write_kv(x, x * 0, c, torch.tensor([0, 1, 2]))
+    assert c.k_scale.item() == pytest.approx(7.0 * FP8_KV_MARGIN / 448)
+    assert c.v_scale.item() == 1.0  # all-zero first write: the neutral scale
+    assert c.k.float().abs().max().item() == 224.0  # 7 / scale, half the range: the margin
+    torch_ref.write_kv(x * 100, x, c, torch.tensor([3, 4, 5]))
+    assert c.k_scale.item() == pytest.approx(7.0 * FP8_KV_MARGIN / 448)  # unchanged
+    assert c.k.float().abs().max().item() == 448.0  # saturated, not NaN
+    reset_kv_scales([c])
+    torch_ref.write_kv(x * 2, x, c, torch.tensor([6, 7, 8]))
+    assert c.k_scale.item() == pytest.approx(14.0 * FP8_KV_MARGIN / 448)
 
 
 def test_fp8_cache_needs_its_scale():
     bare = torch.zeros(2, BS, 2, 8, dtype=FP8)
-    with pytest.raises(ValueError, match="kv_scale"):
-        kv_scales(bare)
-    assert kv_scales(torch.zeros(1)) is None
+    with pytest.raises(ValueError, match="scales"):
+        KVCache(bare, bare.clone())
+    assert KVCache(torch.zeros(1), torch.zeros(1)).k_scale is None
+    fresh = KVCache.fp8(bare, bare.clone())
+    assert fresh.scales_pending and fresh.k_scale.item() == fresh.v_scale.item() == 1.0
 
 
 @pytest.mark.gpu

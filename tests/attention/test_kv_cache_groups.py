@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from cvllm.attention.backends import torch_ref
+from cvllm.attention.interface import AttentionParams
 from cvllm.attention.kv_cache import (
     CacheSizing,
+    KVCache,
     allocate_kv_caches,
     group_bytes_per_block,
     group_layers,
@@ -100,9 +102,10 @@ def test_allocation_shapes_per_spec():
     caches = allocate_kv_caches(specs, layout, "cpu")
     n_full, n_slide = (g.num_blocks for g in layout.groups)
     assert [g.layer_ids for g in layout.groups] == [(0, 2), (1,)]
-    k, v = caches[0]
+    assert isinstance(caches[0], KVCache) and caches[0].k_scale is None
+    k, v = caches[0].k, caches[0].v
     assert k.shape == v.shape == (n_full, 8, 2, 8) and k.data_ptr() != v.data_ptr()
-    assert caches[1][0].shape == (n_slide, 8, 2, 8)
+    assert caches[1].k.shape == (n_slide, 8, 2, 8)
     kv, none = caches[2]
     assert none is None and kv.shape == (n_full, 8, 16) and kv.dtype == torch.bfloat16
     conv, rec = caches[3]
@@ -174,7 +177,7 @@ def test_attention_ignores_freed_out_of_window_blocks():
             slot_mapping=np.array(slots), query_start_loc=np.array([0, q_len]),
             seq_lens=np.array([ctx + q_len]), block_tables=np.array([tab]), device="cpu",
             sliding_window=W)
-        return torch_ref.forward(q, k, v, kc, vc, meta, 0.3, W)
+        return torch_ref.forward(q, k, v, KVCache(kc, vc), meta, AttentionParams(0.3, W))
 
     dead = (ctx - W + 1) // bs  # blocks 0..3 hold positions < 16
     assert dead == 4

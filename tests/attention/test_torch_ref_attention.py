@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cvllm.attention.backends import torch_ref
-from cvllm.attention.kv_cache import KVCacheSpec, allocate_kv_cache
+from cvllm.attention.interface import AttentionParams
+from cvllm.attention.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from cvllm.attention.metadata import AttentionMetadata
 
 
@@ -16,12 +17,12 @@ def make_batch(
     consecutive=False,
 ):
     """``seqs``: (cached context length, new tokens) per sequence, in batch order.
-    Caches the context, returns (q, k, v, caches, meta, per-seq full K/V) for the step.
+    Caches the context, returns (q, k, v, cache, meta, per-seq full K/V) for the step.
     Block ids are a random permutation, or with ``consecutive`` 3, 4, 5, ... in order."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, dtype)
-    k_cache, v_cache = allocate_kv_cache(spec, num_blocks, "cpu")[0]
+    cache = allocate_kv_cache(spec, num_blocks, "cpu")[0]
     if consecutive:
         free = list(range(num_blocks - 1, 2, -1))  # pops 3, 4, 5, ...
     else:
@@ -39,7 +40,7 @@ def make_batch(
         kk = torch.randn(ctx + n, num_kv_heads, head_dim, generator=g).to(dtype)  # [L, Hkv, D]
         vv = torch.randn(ctx + n, num_kv_heads, head_dim, generator=g).to(dtype)
         torch_ref.write_kv(
-            kk[:ctx], vv[:ctx], k_cache, v_cache, torch.tensor(pos_slots[:ctx], dtype=torch.int64)
+            kk[:ctx], vv[:ctx], cache, torch.tensor(pos_slots[:ctx], dtype=torch.int64)
         )
         full_k.append(kk)
         full_v.append(vv)
@@ -56,7 +57,7 @@ def make_batch(
         block_tables=block_tables,
         device="cpu",
     )
-    return torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta, full_k, full_v
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, full_k, full_v
 
 
 def naive_attention(q, full_k, full_v, seqs, scale, sliding_window=None, softcap=None):
@@ -82,11 +83,11 @@ def naive_attention(q, full_k, full_v, seqs, scale, sliding_window=None, softcap
 
 
 def run_case(seqs, block_size, num_heads=4, num_kv_heads=2, head_dim=16, seed=0, **opts):
-    q, k, v, (kc, vc), meta, fk, fv = make_batch(
+    q, k, v, cache, meta, fk, fv = make_batch(
         seqs, block_size, num_kv_heads, head_dim, num_heads, seed
     )
     scale = 1 / math.sqrt(head_dim)
-    out = torch_ref.forward(q, k, v, kc, vc, meta, scale, **opts)
+    out = torch_ref.forward(q, k, v, cache, meta, AttentionParams(scale, **opts))
     ref = naive_attention(q, fk, fv, seqs, scale, **opts)
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -128,7 +129,7 @@ def test_small_budget_forces_groups_and_query_chunks(monkeypatch):
 
 def test_padding_tokens_are_ignored():
     seqs = [(3, 1), (0, 6)]
-    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed=7)
+    q, k, v, cache, meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed=7)
     pad = 3
     padded = AttentionMetadata.build(
         slot_mapping=np.concatenate([meta.slot_mapping.numpy(), np.full(pad, -1)]),
@@ -138,7 +139,7 @@ def test_padding_tokens_are_ignored():
         device="cpu",
     )
     extra = lambda x: torch.cat([x, torch.randn(pad, *x.shape[1:])])  # noqa: E731
-    out = torch_ref.forward(extra(q), extra(k), extra(v), kc, vc, padded, 0.25)
+    out = torch_ref.forward(extra(q), extra(k), extra(v), cache, padded, AttentionParams(0.25))
     assert torch.all(out[-pad:] == 0)
     torch.testing.assert_close(
         out[:-pad].double(), naive_attention(q, fk, fv, seqs, 0.25), atol=1e-5, rtol=1e-5
@@ -147,8 +148,8 @@ def test_padding_tokens_are_ignored():
 
 def test_bf16_close_to_float64():
     seqs = [(9, 1), (0, 12)]
-    q, k, v, (kc, vc), meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed=8, dtype=torch.bfloat16)
-    out = torch_ref.forward(q, k, v, kc, vc, meta, 0.25)
+    q, k, v, cache, meta, fk, fv = make_batch(seqs, 4, 2, 16, 4, seed=8, dtype=torch.bfloat16)
+    out = torch_ref.forward(q, k, v, cache, meta, AttentionParams(0.25))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(
         out.double(), naive_attention(q, fk, fv, seqs, 0.25), atol=2e-2, rtol=2e-2
@@ -193,7 +194,7 @@ def test_metadata_build_derives_split_and_checks_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("opts", [{}, {"sliding_window": 4, "softcap": 3.0}])
 def test_cuda_matches_naive(opts):
-    q, k, v, (kc, vc), meta, fk, fv = make_batch(MIXED, 4, 2, 16, 4, seed=9)
+    q, k, v, cache, meta, fk, fv = make_batch(MIXED, 4, 2, 16, 4, seed=9)
     m = meta
     cuda_meta = AttentionMetadata.build(
         slot_mapping=m.slot_mapping.numpy(),
@@ -203,7 +204,8 @@ def test_cuda_matches_naive(opts):
         device="cuda",
     )
     out = torch_ref.forward(
-        q.cuda(), k.cuda(), v.cuda(), kc.cuda(), vc.cuda(), cuda_meta, 0.25, **opts
+        q.cuda(), k.cuda(), v.cuda(), KVCache(cache.k.cuda(), cache.v.cuda()), cuda_meta,
+        AttentionParams(0.25, **opts),
     )
     ref = naive_attention(q, fk, fv, MIXED, 0.25, **opts)
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-4, rtol=1e-4)

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from cvllm.attention.backends import torch_ref
+from cvllm.attention.interface import AttentionParams
+from cvllm.attention.kv_cache import KVCache
 from cvllm.attention.metadata import AttentionMetadata, RopeInputs
 from tests.interpreted import run_interpreted
 
@@ -60,7 +62,7 @@ def build_step(seqs: List[Tuple[int, int]], bs: int, heads: Tuple[int, int], d: 
         slots = tables[b][pos // bs].astype(np.int64) * bs + pos % bs  # [c+n]
         kk = torch.randn(c + n, hkv, d, generator=g).to(dtype)  # [c+n, Hkv, D]
         vv = torch.randn(c + n, hkv, d, generator=g).to(dtype)
-        torch_ref.write_kv(kk[:c], vv[:c], kc, vc, torch.from_numpy(slots[:c]))
+        torch_ref.write_kv(kk[:c], vv[:c], KVCache(kc, vc), torch.from_numpy(slots[:c]))
         ctx_slots.append(slots[:c])
         step_slots.append(slots[c:])
         ks.append(kk[c:])
@@ -107,11 +109,9 @@ def run_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="cpu",
     for tri, ref in ((tri_k, ref_k), (tri_v, ref_v)):
         flat = tri.view(-1, *tri.shape[2:])  # [N*bs, Hkv, D]
         flat[to(s.context_slots)] = ref.view(-1, *ref.shape[2:])[to(s.context_slots)]
-    scale = d**-0.5
-    want = torch_ref.forward(q, k, v, ref_k, ref_v, meta(s.block_tables), scale,
-                             sliding_window, softcap)
-    got = triton_backend.forward(q, k, v, tri_k, tri_v, meta(tables), scale,
-                                 sliding_window, softcap)
+    params = AttentionParams(d**-0.5, sliding_window, softcap)
+    want = torch_ref.forward(q, k, v, KVCache(ref_k, ref_v), meta(s.block_tables), params)
+    got = triton_backend.forward(q, k, v, KVCache(tri_k, tri_v), meta(tables), params)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=atol)
     if pad:
@@ -120,6 +120,7 @@ def run_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="cpu",
     for tri, ref in ((tri_k, ref_k), (tri_v, ref_v)):  # the write path is exact
         assert torch.equal(tri.view(-1, *tri.shape[2:])[used], ref.view(-1, *ref.shape[2:])[used])
     assert triton_backend.TritonAttentionBackend.name == "triton"
+    assert triton_backend.TritonAttentionBackend.capabilities.fused_rope
 
 
 def run_rope_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="cpu", seed=0,
@@ -150,8 +151,8 @@ def run_rope_case(seqs, bs=16, heads=(4, 2), d=16, dtype=torch.float32, device="
                 device)[s.context_slots]
         if not fused:
             rotary_embedding(rope.positions, q, k, cache, d, neox)
-        out = triton_backend.forward(q, k, v, kc, vc, meta, d**-0.5,
-                                     **({"rope": rope} if fused else {}))
+        out = triton_backend.forward(q, k, v, KVCache(kc, vc), meta, AttentionParams(d**-0.5),
+                                     rope if fused else None)
         runs.append((out, q, k, kc.nan_to_num(), vc.nan_to_num()))
     for got, want in zip(*runs):
         assert torch.equal(got, want)
@@ -190,7 +191,8 @@ def test_rejects_short_block_tables():
                                    seq_lens=s.seq_lens, block_tables=s.block_tables[:, :1],
                                    device="cpu")
     with pytest.raises(ValueError, match="block_tables"):
-        triton_backend.forward(s.q, s.k, s.v, s.k_cache, s.v_cache, meta, 0.25)
+        triton_backend.forward(s.q, s.k, s.v, KVCache(s.k_cache, s.v_cache), meta,
+                               AttentionParams(0.25))
 
 
 GPU_MIXED = [(100, 1), (0, 1), (3000, 1), (5000, 1), (0, 700), (512, 300), (60, 1), (0, 2),

@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def _scales(runner):
-    return [(k.kv_scale.item(), v.kv_scale.item()) for k, v in runner.kv_caches]
+    return [(c.k_scale.item(), c.v_scale.item()) for c in runner.kv_caches]
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))
@@ -38,7 +38,7 @@ def test_fp8_graphs_on_and_off_identical(tmp_path, family):
     for graphs_on in (True, False):
         llm = _llm(folder, fp8_kvcache=True, disable_cuda_graph=not graphs_on)
         runner = llm.engine.runner
-        assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        assert runner.kv_caches[0].k.dtype == torch.float8_e4m3fn
         _check_replays_against_eager(runner.graphs)
         results[graphs_on] = [r.token_ids for r in llm.generate(prompts, params)]
         scales[graphs_on] = _scales(runner)

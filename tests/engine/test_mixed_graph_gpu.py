@@ -143,13 +143,11 @@ def test_fp8_cache_calibrates_at_the_first_real_prefill(tmp_path):
     for max_tokens in (512, 0):
         llm = _llm(folder, fp8_kvcache=True, cuda_graph_max_tokens=max_tokens)
         runner = llm.engine.runner
-        scales = [t.kv_scale for layer in runner.kv_caches for t in layer]
-        assert all(getattr(t, "kv_scale_pending", False)
-                   for layer in runner.kv_caches for t in layer)
+        scales = [s for c in runner.kv_caches for s in (c.k_scale, c.v_scale)]
+        assert all(c.scales_pending for c in runner.kv_caches)
         out[max_tokens] = ([r.token_ids for r in llm.generate(prompts, greedy)],
                            [s.clone() for s in scales])
-        assert not any(getattr(t, "kv_scale_pending", False)
-                       for layer in runner.kv_caches for t in layer)
+        assert not any(c.scales_pending for c in runner.kv_caches)
         del llm, runner
         _release()
     (tok_a, sc_a), (tok_b, sc_b) = out[512], out[0]

@@ -3,12 +3,14 @@ mixed-step graphs, agreed across tensor-parallel ranks size by size. Run here on
 threads (the --multithread group), with capture functions standing in for the GPU's:
 a capture that fails on one rank only (out of memory, say) must stop every rank at that
 size, before the next size's warm-up runs collectives the failed rank would never join,
-and every rank must fall back alike. Also: the attention hook is per thread."""
+and every rank must fall back alike. Also: the attention hook is per model (each rank
+thread runs its own)."""
 
 import logging
 import threading
 
 import pytest
+import torch
 
 from cvllm.distributed import parallel_state
 from cvllm.distributed.inprocess import run_ranks
@@ -66,26 +68,29 @@ def test_single_rank_failure_falls_back(caplog):
     assert "capture broke" in caplog.text and "decode steps run eagerly" in caplog.text
 
 
-def test_attention_hook_is_per_thread():
-    """Under --multithread each rank thread captures its own model at once: one thread's
-    split_at_attention must not divert another thread's attention calls."""
+def test_attention_hook_is_per_model():
+    """Under --multithread each rank thread captures its own model at once: one rank's
+    split_at_attention must not divert another rank's attention calls."""
+    mine, other = (torch.nn.ModuleList([attention.Attention(2, 4, 0.5)]) for _ in range(2))
     inside, checked = threading.Event(), threading.Event()
     seen = {}
 
     def capturing():
-        with attention.split_at_attention(lambda *a: None):
-            seen["own"] = getattr(attention._HOOK, "hook", None) is not None
+        with attention.split_at_attention(mine, lambda *a: None):
+            seen["own"] = mine[0].split_hook is not None
             inside.set()
             checked.wait(10)
 
     t = threading.Thread(target=capturing)
     t.start()
     assert inside.wait(10)
-    seen["other"] = getattr(attention._HOOK, "hook", None)
+    seen["other"] = other[0].split_hook
     checked.set()
     t.join(10)
     assert seen == {"own": True, "other": None}
-    with attention.split_at_attention(lambda *a: None):  # free again on this thread
-        with pytest.raises(RuntimeError, match="already active"):
-            with attention.split_at_attention(lambda *a: None):
-                pass
+    assert mine[0].split_hook is None  # free again once the capture is done
+    with attention.split_at_attention(mine, lambda *a: None):
+        with attention.split_at_attention(other, lambda *a: None):  # another model: free
+            with pytest.raises(RuntimeError, match="already active"):
+                with attention.split_at_attention(mine, lambda *a: None):
+                    pass

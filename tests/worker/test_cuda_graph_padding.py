@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvllm.attention.backend import forced_attn_backend
 from cvllm.attention.specs import FullAttentionSpec, MLASpec, SlidingWindowSpec
 from cvllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cvllm.core.sampling_batch import build_sampling_batch
@@ -191,13 +190,16 @@ class TwoWindows(nn.Module):
 
     V, HID, H, HKV, D = 64, 32, 4, 2, 16
 
-    def __init__(self, model_config=None, quant_config=None):
+    def __init__(self, model_config=None, quant_config=None, backend=None):
         super().__init__()
         V, HID, H, HKV, D = self.V, self.HID, self.H, self.HKV, self.D
+        if backend is None:  # as the model families do: the engine config's, resolved
+            backend = model_config.attention_backend if model_config is not None else "auto"
         self.embed = nn.Embedding(V, HID)
         self.qkv = nn.ModuleList(nn.Linear(HID, (H + 2 * HKV) * D) for _ in WINDOWS)
         self.o = nn.ModuleList(nn.Linear(H * D, HID) for _ in WINDOWS)
-        self.attn = nn.ModuleList(Attention(H, D, D**-0.5, HKV, sliding_window=w) for w in WINDOWS)
+        self.attn = nn.ModuleList(Attention(H, D, D**-0.5, HKV, sliding_window=w, backend=backend)
+                                  for w in WINDOWS)
         self.head = nn.Linear(HID, V)
 
     def init_dummy_weights(self, seed):
@@ -242,8 +244,7 @@ class TwoWindows(nn.Module):
 def test_only_triton_attention_models_are_padded_and_captured():
     specs = [FullAttentionSpec(2, 16, F32), SlidingWindowSpec(2, 16, F32, 6)]
     assert "torch_ref" in cg.graph_unsafe_reason(TwoWindows(), specs)  # CPU default
-    with forced_attn_backend("triton"):
-        model = TwoWindows()
+    model = TwoWindows(backend="triton")
     assert cg.graph_unsafe_reason(model, specs) is None
     assert "MLASpec" in cg.graph_unsafe_reason(model, specs + [MLASpec(4, 4, F32)])
     assert "no paged attention" in cg.graph_unsafe_reason(nn.Linear(2, 2), specs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.attention.backend import forced_attn_backend
+from cvllm.attention.kv_cache import KVCache
 from cvllm.core.kv_cache_manager import KVCacheManager
 from cvllm.core.scheduler import SchedulerOutput
 from cvllm.core.step_input import build_step_input
@@ -44,7 +44,7 @@ def _metadata(T):
 
 
 def _caches(model):
-    return [(torch.zeros(8, BS, model.HKV, model.D), torch.zeros(8, BS, model.HKV, model.D))
+    return [KVCache(torch.zeros(8, BS, model.HKV, model.D), torch.zeros(8, BS, model.HKV, model.D))
             for _ in range(2)]
 
 
@@ -59,15 +59,15 @@ def test_split_at_attention_routes_every_attention_call_to_the_hook():
         seen.append(layer)
         return layer.attend(q, k, v, kv_cache, meta, positions, rotary_emb)
 
-    with split_at_attention(hook):
+    with split_at_attention(model, hook):
         got = model(ids, pos, _metadata(5), _caches(model))
         with pytest.raises(RuntimeError, match="already active"):
-            with split_at_attention(hook):
+            with split_at_attention(model, hook):
                 pass
     assert seen == list(model.attn)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ZeroDivisionError):  # the hook is gone after an error too
-        with split_at_attention(lambda *a: 1 / 0):
+        with split_at_attention(model, lambda *a: 1 / 0):
             model(ids, pos, _metadata(5), _caches(model))
     torch.testing.assert_close(model(ids, pos, _metadata(5), _caches(model)), want)
 
@@ -171,8 +171,12 @@ def test_padded_mixed_tokens_match_dense_interpreted_on_cpu():
     run_in_interpreter(code, timeout=600)
 
 
+def test_only_backends_that_run_between_pieces_are_split():
+    assert "torch_ref cannot run between graph pieces" in mg.split_unsafe_reason(TwoWindows())
+    assert mg.split_unsafe_reason(TwoWindows(backend="triton")) is None
+
+
 def test_cpu_runner_builds_no_mixed_runner(monkeypatch):
     monkeypatch.setattr(mr, "get_model_class", lambda arch: TwoWindows)
-    with forced_attn_backend("triton"):
-        runner = mr.ModelRunner(_config(backend="triton"), source=None)
+    runner = mr.ModelRunner(_config(backend="triton"), source=None)
     assert runner.graphs is None and runner.mixed is None

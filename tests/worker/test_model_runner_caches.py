@@ -100,7 +100,7 @@ def test_caches_follow_the_specs_and_mem_counts_every_layer(monkeypatch):
     assert layout.num_state_slots == 4 and runner.num_blocks == full.num_blocks
     k, v = runner.kv_caches[0]
     assert k.shape == (full.num_blocks, 8, 2, 8)
-    assert runner.kv_caches[1][0].shape == (sliding.num_blocks, 8, 2, 8)
+    assert runner.kv_caches[1].k.shape == (sliding.num_blocks, 8, 2, 8)
     assert runner.kv_caches[2][0].shape == (full.num_blocks, 8, 16)
     assert runner.kv_caches[2][1] is None
     assert [t.shape for t in runner.kv_caches[3]] == [(4, 3, 5), (4, 2, 4)]

@@ -1,7 +1,8 @@
 """Plain-torch paged multi-head latent attention (DeepSeek V2/V3 MLA) over the compressed
 cache: the CPU backend of ``layers/mla.py`` and the reference for any MLA kernel.
 
-Stateless; ``MultiHeadLatentAttention`` (``layers/mla.py``) calls ``forward`` once per
+Stateless (``interface.MLABackend``, the declared MLA variant of the attention
+interface); ``MultiHeadLatentAttention`` (``layers/mla.py``) calls ``forward`` once per
 layer per step with that layer's ``kv_cache [num_blocks, block_size, R + P]`` (allocated by
 the worker from the model's ``MLASpec``; R = kv_lora_rank, P = qk_rope_head_dim) and the
 step's ``AttentionMetadata`` (same ``slot_mapping`` / ``block_tables`` as full attention).
@@ -26,6 +27,7 @@ from typing import Iterator, Tuple
 import torch
 import torch.nn.functional as F
 
+from cvllm.attention.interface import AttentionCapabilities, MLABackend
 from cvllm.attention.metadata import AttentionMetadata
 
 MAX_ELEMS = 1 << 26
@@ -140,9 +142,10 @@ def _plan_decode_groups(seq_lens, h: int, width: int) -> Iterator[Tuple[int, int
         b0 = b1
 
 
-class TorchRefMLABackend:
-    """The MLA backend object ``layers/mla.py`` holds."""
+class TorchRefMLABackend(MLABackend):
+    """The MLA backend ``layers/mla.py`` holds: host-planned (no CUDA graphs), model-dtype
+    latents (no FP8 cache)."""
 
     name = "torch_ref_mla"
-    write_mla_cache = staticmethod(write_mla_cache)
+    capabilities = AttentionCapabilities()
     forward = staticmethod(forward)

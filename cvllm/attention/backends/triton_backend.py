@@ -1,22 +1,23 @@
 """Triton paged attention: the GPU backend, a drop-in for ``backends/torch_ref.py``.
 
-Stateless, like the reference: the attention layer (``layers/attention.py``) calls
-``forward`` once per layer per step with that layer's ``(k_cache, v_cache)`` (owned by
-the worker) and the step's ``AttentionMetadata`` view of its KV cache group (built by the
-worker). The batch split is host-side, from ``meta.num_decodes``: the leading one-token
-sequences go to ``kernels.paged_attention.decode_attention`` (GQA-grouped, split-K), the
-rest -- prefills, chunked-prefill continuations, and any single-token rows after the
-first multi-token one -- to ``prefill_attention``. No step here syncs with the device.
+Stateless, like the reference (``interface.AttentionBackend``): the attention layer
+(``layers/attention.py``) calls ``forward`` once per layer per step with that layer's
+``KVCache`` (owned by the worker), the step's ``AttentionMetadata`` view of its KV cache
+group (built by the worker) and its ``AttentionParams``. The batch split is host-side,
+from ``meta.num_decodes``: the leading one-token sequences go to
+``kernels.paged_attention.decode_attention`` (GQA-grouped, split-K), the rest --
+prefills, chunked-prefill continuations, and any single-token rows after the first
+multi-token one -- to ``prefill_attention``. No step here syncs with the device.
 
 Semantics match the reference exactly: K/V of the ``meta.num_tokens`` real tokens are
 written first (slot -1 writes nothing), then every query attends over its sequence's
 cache causally, with the window and softcap of the layer; padding rows (past
 ``num_tokens``) of the output are zero. Given the layer's ``RopeInputs``
-(``fuses_rope``), q and k are first rotated in place by the kernel that writes K/V
+(``fused_rope``), q and k are first rotated in place by the kernel that writes K/V
 (``kernels/rotary.rotary_write_kv``): one launch per layer fewer, bit-equal to the
 rotary kernel followed by the write. Selection is ``attention/backend.py``'s job.
-FP8 caches: each cache tensor's ``kv_scale`` (``attention/kv_cache.py``) goes to the
-kernels as ``k_scale`` / ``v_scale`` (calibrated on the device at its first write).
+FP8 caches: the ``KVCache``'s ``k_scale`` / ``v_scale`` (``attention/kv_cache.py``) go
+to the kernels (calibrated on the device at the cache's first write). Causal only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from cvllm.attention.kv_cache import calibrate_kv_scale, kv_scales
+from cvllm.attention.interface import AttentionBackend, AttentionCapabilities, AttentionParams
+from cvllm.attention.kv_cache import KVCache, calibrate_kv_scales
 from cvllm.attention.metadata import AttentionMetadata, RopeInputs
 from cvllm.kernels import paged_attention as pa
 from cvllm.kernels import rotary
@@ -34,23 +36,21 @@ from cvllm.kernels import rotary
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
-    v_cache: torch.Tensor,
+    cache: KVCache,  # [N, bs, Hkv, D] each
     slot_mapping: torch.Tensor,  # [T] int64; -1 entries (padding) are skipped
 ) -> None:
     """Store this step's keys and values at their cache slots (FP8: quantized)."""
-    calibrate_kv_scale(k_cache, k)  # first real write of an FP8 cache only
-    calibrate_kv_scale(v_cache, v)
-    pa.write_kv(k, v, k_cache, v_cache, slot_mapping,
-                k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))
+    if cache.scales_pending:  # first real write of an FP8 cache only
+        calibrate_kv_scales(cache, k, v)
+    pa.write_kv(k, v, cache.k, cache.v, slot_mapping,
+                k_scale=cache.k_scale, v_scale=cache.v_scale)
 
 
 def rotary_write_kv(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
-    v_cache: torch.Tensor,
+    cache: KVCache,  # [N, bs, Hkv, D] each
     slot_mapping: torch.Tensor,  # [>= n] int64; -1 entries (padding) are skipped
     n: int,  # real tokens: rows 0..n-1 are written
     rope: RopeInputs,
@@ -58,26 +58,23 @@ def rotary_write_kv(
     """Rotate q and k (every row) in place, then store the first ``n`` rows' keys and
     values at their cache slots: one kernel, except before an FP8 cache's first write,
     whose scale is calibrated on the rotated keys first."""
-    if getattr(k_cache, "kv_scale_pending", False) or getattr(v_cache, "kv_scale_pending", False):
+    if cache.scales_pending:
         rotary.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, rope.head_size,
                                 rope.is_neox_style)
-        write_kv(k[:n], v[:n], k_cache, v_cache, slot_mapping[:n])
+        write_kv(k[:n], v[:n], cache, slot_mapping[:n])
         return
     rotary.rotary_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, rope.head_size,
-                           rope.is_neox_style, k_cache, v_cache, slot_mapping, n,
-                           k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))
+                           rope.is_neox_style, cache.k, cache.v, slot_mapping, n,
+                           k_scale=cache.k_scale, v_scale=cache.v_scale)
 
 
 def forward(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
-    v_cache: torch.Tensor,
+    kv_cache: KVCache,  # [N, bs, Hkv, D] each
     meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    params: AttentionParams,
     rope: Optional[RopeInputs] = None,
     out: Optional[torch.Tensor] = None,  # [T, H, D], like q
 ) -> torch.Tensor:
@@ -85,12 +82,13 @@ def forward(
     sequence's queries over its cached context, causally. Returns ``[T, H, D]`` (``out``
     when given); rows of padding tokens (past ``meta.num_tokens``) are zero."""
     n, nd, B = meta.num_tokens, meta.num_decodes, meta.num_seqs
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     _check_meta(q, k_cache, meta)
     if rope is None:
-        write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+        write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
     else:
-        rotary_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, n, rope)
-    scales = dict(k_scale=kv_scales(k_cache), v_scale=kv_scales(v_cache))  # None unless FP8
+        rotary_write_kv(q, k, v, kv_cache, meta.slot_mapping, n, rope)
+    scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)  # None unless FP8
     if out is None:
         out = torch.empty_like(q)  # [T, H, D]
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -98,8 +96,7 @@ def forward(
                          f"{tuple(q.shape)} {q.dtype}")
     if n < out.shape[0]:
         out[n:].zero_()
-    window = int(sliding_window) if sliding_window else None
-    cap = float(softcap) if softcap else None
+    scale, window, cap = params.scale, params.sliding_window, params.softcap
     if nd:
         # Leading decodes own tokens 0..nd-1, one per sequence.
         pa.decode_attention(
@@ -126,11 +123,12 @@ def _check_meta(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata)
                          f"needed for {meta.max_seq_len} tokens")
 
 
-class TritonAttentionBackend:
-    """The backend object ``attention/backend.py`` hands to attention layers on CUDA."""
+class TritonAttentionBackend(AttentionBackend):
+    """The backend ``attention/backend.py`` hands to attention layers on CUDA: every
+    size it launches with comes from the metadata's device tensors and host ints, so
+    CUDA graphs (decode and mixed-step) may capture it."""
 
     name = "triton"
-    fuses_rope = True  # forward(..., rope=) rotates q and k with the K/V write
-    takes_out = True  # forward(..., out=) writes a given tensor
-    write_kv = staticmethod(write_kv)
+    capabilities = AttentionCapabilities(fused_rope=True, takes_out=True, fp8_cache=True,
+                                         cuda_graphs=True, split_graphs=True)
     forward = staticmethod(forward)
