@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cvllm.config import ConfigError
-from cvllm.core.step_input import MessageKind
+from cvllm.core.wire_format import MessageKind
 from cvllm.runtime.launcher import LocalRanks, abort_job
 from cvllm.worker.worker_loop import FaultInjector
 

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from cvllm.config import ConfigError
-from cvllm.core.step_input import MessageKind, StepInput
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import MessageKind
 from cvllm.distributed.control_plane import ControlPlaneTimeout, Message
 from cvllm.runtime.launcher import LocalRanks
 from cvllm.runtime.spmd import JobSupervisor, SPMDRunner
