@@ -359,30 +359,30 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
 
 
 def _serve_in_api_process(kw: Dict[str, Any], async_engine, settings) -> bool:
-    """Serve through the API process (``runtime/api_host.py`` runs
+    """Serve through the API process (``runtime/api_launch.py`` runs
     ``python -m cvllm.server.api_process``); False, with a warning, when the engine's
     tokenizer cannot be handed to another process (then this process serves)."""
     import dataclasses
 
-    from cvllm.runtime import api_host
+    from cvllm.runtime import api_launch
     from cvllm.utils.gc_freeze import freeze_startup_objects
 
     mcp = {k: kw[k] for k in ("mcp_config", "mcp_command", "mcp_args", "mcp_call_timeout")}
     try:
-        hello = api_host.make_hello(async_engine, dataclasses.asdict(settings), mcp,
-                                    kw["shutdown_timeout"])
-    except api_host.TokenizerStaysError as e:
+        hello = api_launch.make_hello(async_engine, dataclasses.asdict(settings), mcp,
+                                      kw["shutdown_timeout"])
+    except api_launch.TokenizerStaysError as e:
         logger.warning("serving from this process (as --no-api-process): %s", e)
         return False
     log_args = ["--log-level", kw["log_level"]] + (["--log-file", kw["log_file"]]
                                                    if kw["log_file"] else [])
     freeze_startup_objects()
     try:
-        api_host.serve_with_api_process(
+        api_launch.serve_with_api_process(
             async_engine, hello, [sys.executable, "-m", "cvllm.server.api_process"], log_args)
-    except api_host.ApiProcessStartError as e:
+    except api_launch.ApiProcessStartError as e:
         _fail(str(e))
-    except api_host.ApiProcessDiedError as e:
+    except api_launch.ApiProcessDiedError as e:
         click.echo(f"cvllm: error: {e}", err=True)
         sys.exit(1)
     return True
