@@ -217,7 +217,7 @@ def _init_distributed(env, device):
     """Join the process groups; returns ``env`` with the agreed rendezvous address."""
     import torch
 
-    from cvllm.distributed.launch_env import init_distributed
+    from cvllm.distributed.rendezvous import init_distributed
 
     dev = torch.device(device.device, device.device_ids[0]) if device.device == "cuda" \
         else torch.device("cpu")
@@ -229,15 +229,15 @@ def _start_health(env, supervisor: JobSupervisor):
     ``--bind-interface`` or the rendezvous address; others: a reporter that forwards its
     WARNING+ records (and, unless its stderr is already relayed by a spawning parent, its
     stderr lines) to rank 0's log."""
-    from cvllm.distributed import health
-    from cvllm.distributed.launch_env import resolve_bind
+    from cvllm.distributed import health, health_reporter
+    from cvllm.distributed.rendezvous import resolve_bind
 
     if env.rank == 0:
         bind = resolve_bind()[1] or env.master_addr or "127.0.0.1"
         monitor = health.HealthMonitor(bind, env.health_port, env.world_size)
         monitor.on_failure(lambda reason: supervisor.fail(f"worker failure: {reason}"))
         return monitor
-    reporter = health.HealthReporter(env.master_addr, env.health_port, env.rank)
+    reporter = health_reporter.HealthReporter(env.master_addr, env.health_port, env.rank)
     if "CVLLM_RANK" not in os.environ:  # mpirun / torchrun: nobody else relays stderr
         reporter.install_log_handler()
         reporter.forward_stderr()

@@ -117,7 +117,7 @@ def abort_after(env, supervisor: JobSupervisor, reason: str, err: BaseException,
 
 
 def leave_groups() -> None:
-    from cvllm.distributed.launch_env import shutdown_distributed
+    from cvllm.distributed.rendezvous import shutdown_distributed
 
     try:
         shutdown_distributed()

@@ -25,7 +25,8 @@ from cvllm.core.step_input import StepInput
 from cvllm.core.wire_format import HEADER_SIZE, MessageKind
 from cvllm.distributed import comm
 from cvllm.distributed.control_plane import ControlPlaneError, make_control_plane
-from cvllm.distributed.launch_env import detect_launch_env, init_distributed, shutdown_distributed
+from cvllm.distributed.launch_env import detect_launch_env
+from cvllm.distributed.rendezvous import init_distributed, shutdown_distributed
 from cvllm.sampling_params import SamplingParams
 
 BS = 4
