@@ -15,167 +15,13 @@ from typing import Any, Callable, Dict, List, Optional
 import click
 
 from cvllm import __version__
+from cvllm.cli_options import (
+    agent_options, job_options, model_options, sampling_options, server_options,
+)
 from cvllm.config import ConfigError
 from cvllm.sampling_params import DEFAULTABLE_SAMPLING_KEYS
 
 logger = logging.getLogger("cvllm")
-
-
-def _model_options(f: Callable) -> Callable:
-    """Flags shared by ``serve`` and ``generate``: where the model comes from and how the
-    engine is sized."""
-    opts = [
-        click.option("--w", "--weight-path", "weight_path", default=None,
-                     help="Hugging Face model folder (config.json, *.safetensors, tokenizer)."),
-        click.option("--f", "--weight-file", "weight_file", default=None,
-                     help="A .gguf model file."),
-        click.option("--m", "--model-id", "model_id", default=None,
-                     help="Hugging Face model id, downloaded into the HF cache."),
-        click.option("--dtype", type=click.Choice(["bf16", "f16", "f32"]), default=None,
-                     help="Compute dtype (default: bf16 on GPU, f32 on CPU)."),
-        click.option("--d", "--device-ids", "device_ids", default="0",
-                     help="Comma-separated GPU ids; several ids run tensor parallel, one "
-                          "process per id (with --cpu: that many CPU ranks)."),
-        click.option("--cpu", is_flag=True, help="Run on the CPU."),
-        click.option("--mem", "--kvcache-mem-gpu", "kvcache_mem", type=int, default=None,
-                     help="KV cache size in MB."),
-        click.option("--gpu-memory-fraction", type=float, default=0.7, show_default=True,
-                     help="Fraction of the GPU memory left after the weights, the profiled "
-                          "largest step and the CUDA graphs given to the KV cache."),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True),
-        click.option("--block-size", type=int, default=16, show_default=True),
-        click.option("--max-model-len", type=int, default=0,
-                     help="Context length (default: the model's own)."),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
-                     help="Token budget of one step, shared by the decodes (scheduled "
-                          "first, one token each) and the prompt chunks; bounds the gap "
-                          "between a stream's tokens while long prompts are prefilled. "
-                          "Default: 8192 on GPU, 128 on CPU (or --prefill-chunk-size)."),
-        click.option("--prefill-chunk-size", type=click.IntRange(min=0), default=None,
-                     help="Most prompt tokens of one sequence per step, under the step "
-                          "budget (default: the budget); 0 disables chunking."),
-        click.option("--isq", default=None,
-                     help="Quantize a Hugging Face folder's float weights while loading: "
-                          "q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k or q6k."),
-        click.option("--dequantize", is_flag=True,
-                     help="Dequantize a GGUF file's weights to --dtype at load instead of "
-                          "keeping them quantized (comparisons; more memory, slower)."),
-        click.option("--cpu-dense-gb", type=float, default=None,
-                     help="CPU: GiB of bf16 copies kept beside two-plane quantized "
-                          "weights (Q5_*, Q8_0, IQ4, Q2_K/Q3_K) for decode batches of 3+ "
-                          "rows (8+ without AMX). Default: a quarter of the free memory "
-                          "where the CPU has AMX or AVX-512 BF16, else 0; 0 turns them off."),
-        click.option("--fp8-kvcache", is_flag=True,
-                     help="Keep attention K/V in FP8 e4m3 with per-layer scales: half the "
-                          "KV memory of bf16."),
-        click.option("--disable-prefix-cache", is_flag=True,
-                     help="Compute every prompt in full instead of reusing the KV blocks of "
-                          "a prefix computed before."),
-        click.option("--prefix-cache-max-tokens", type=click.IntRange(min=0), default=None,
-                     help="Most tokens' worth of cached prefix blocks kept while no request "
-                          "uses them (default: until the free blocks run out)."),
-        click.option("--disable-cuda-graph", is_flag=True,
-                     help="Launch every step eagerly instead of replaying CUDA graphs (CPU: "
-                          "decode steps through the modules, not the flat decode loop)."),
-        click.option("--cuda-graph-max-tokens", type=click.IntRange(min=0), default=512,
-                     show_default=True,
-                     help="CUDA: steps with prompt tokens (new prompts' chunks, prefix-cache "
-                          "hits' suffixes, and the decodes beside them) of at most this many "
-                          "tokens replay CUDA graphs captured around the attention; 0 runs "
-                          "them eagerly."),
-        click.option("--attention-backend", type=click.Choice(["auto", "triton", "torch_ref"]),
-                     default="auto", show_default=True,
-                     help="auto: Triton on CUDA, the torch reference on the CPU."),
-        click.option("--yarn-scaling-factor", type=float, default=None,
-                     help="Override the model's rope scaling with YaRN at this factor; the "
-                          "context becomes factor x max_position_embeddings."),
-        click.option("--max-gen-tokens", type=int, default=0,
-                     help="Default max_tokens (default max_model_len/5 in [128, 16384])."),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
-                     show_default=True, help="dummy: random weights from config.json alone."),
-        click.option("--log", "log_file", default=None,
-                     help="Also log to this file; rank N > 0 writes NAME.rankN.EXT."),
-        click.option("--log-level", default="INFO", show_default=True),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def _job_options(f: Callable) -> Callable:
-    """Flags shared by ``serve`` and ``generate``: how the ranks of a multi-node or
-    threaded job find each other."""
-    opts = [
-        click.option("--num-nodes", type=int, default=1, show_default=True,
-                     help="Nodes of an SSH-driven run (launch/ssh_launch.sh); each node "
-                          "runs one rank per --device-ids entry."),
-        click.option("--node-rank", type=int, default=0, show_default=True,
-                     help="This node's index in an SSH-driven run (0 hosts the server)."),
-        click.option("--master-addr", default=None,
-                     help="Address of node 0 (rank 0): rendezvous of every rank."),
-        click.option("--master-port", type=int, default=None,
-                     help="Rendezvous port on --master-addr (default 29500 with "
-                          "--num-nodes, a free one with spawn); the health link uses +1."),
-        click.option("--multithread", is_flag=True,
-                     help="Run the --device-ids ranks as threads of this one process "
-                          "(debugging)."),
-        click.option("--bind-interface", "bind", default=None, envvar="CVLLM_BIND_ADDR",
-                     help="Network interface (eth0) or address that the control plane, "
-                          "the health link and NCCL / gloo bind to."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def _sampling_options(f: Callable) -> Callable:
-    """Server-wide sampling defaults; a request's own values win."""
-    opts = [
-        click.option("--temperature", type=float, default=None),
-        click.option("--top-p", type=float, default=None),
-        click.option("--top-k", type=int, default=None),
-        click.option("--min-p", type=float, default=None),
-        click.option("--frequency-penalty", type=float, default=None),
-        click.option("--presence-penalty", type=float, default=None),
-        click.option("--repetition-penalty", type=float, default=None),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-
-
-def _agent_options(f: Callable) -> Callable:
-    """``serve`` flags of the agent API: tool-call and reasoning parsers, MCP servers."""
-    opts = [
-        click.option("--enforce-parser", "--tool-call-parser", "tool_call_parser",
-                     default="auto", show_default=True,
-                     help="Tool-call format of the model: hermes (qwen), qwen3_coder, "
-                          "mistral, llama3_json, deepseek_v3, glm45, json, passthrough; "
-                          "auto detects it from the chat template and architecture."),
-        click.option("--reasoning-parser", default="auto", show_default=True,
-                     help="Reasoning split: qwen3, glm45, deepseek_r1, none; auto detects "
-                          "it from the chat template and architecture."),
-        click.option("--mcp-config", default=None,
-                     help="JSON file of MCP servers ({\"mcpServers\": {name: {command, "
-                          "args, env}}}) whose tools the model is offered."),
-        click.option("--mcp-command", default=None,
-                     help="One MCP server (stdio) to start, named 'mcp'."),
-        click.option("--mcp-args", default=None,
-                     help="Comma-separated arguments of --mcp-command."),
-        click.option("--mcp-max-rounds", type=click.IntRange(min=0), default=8,
-                     show_default=True,
-                     help="Most rounds of MCP tool calls the server runs for one answer."),
-        click.option("--mcp-call-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=60.0, show_default=True,
-                     help="Seconds one MCP tool call may take; then the model gets an "
-                          "error result."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
 
 
 def _check_agent_flags(kw: Dict[str, Any]) -> None:
@@ -271,30 +117,11 @@ def main() -> None:
 
 
 @main.command()
-@_model_options
-@_job_options
-@_sampling_options
-@_agent_options
-@click.option("--h", "--host", "host", default="127.0.0.1", show_default=True)
-@click.option("--p", "--port", "port", type=int, default=2000, show_default=True)
-@click.option("--served-model-name", default=None, help="Model name in the API (default: from the weights).")
-@click.option("--api-key", default=None, envvar="CVLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
-@click.option("--keepalive-timeout", type=click.FloatRange(min=0, min_open=True), default=75.0,
-              show_default=True, help="Seconds an idle HTTP connection stays open.")
-@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
-              show_default=True, help="Seconds from a request's first byte to the end of its "
-                                      "headers; else 408 and close (slowloris).")
-@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-              show_default=True, help="Seconds for a request's whole body to arrive after "
-                                      "its headers; else 408 and close.")
-@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Most open HTTP connections; beyond it new ones get a 503 and are closed.")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds that requests in flight may run on after SIGTERM / Ctrl-C; then "
-                   "they are aborted and every rank exits within 5 s more.")
-@click.option("--api-process/--no-api-process", default=True, show_default=True,
-              help="Run HTTP, tokenizing and chat templates in a process of their own beside "
-                   "rank 0's engine (each with its own GIL); off: one process.")
+@model_options
+@job_options
+@sampling_options
+@agent_options
+@server_options
 def serve(**kw: Any) -> None:
     """Serve a model over the OpenAI API (chat, completions, models, health, metrics)."""
     from cvllm.logger import init_logging
@@ -310,8 +137,8 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     import asyncio
 
     from cvllm.engine.async_engine import AsyncEngine
-    from cvllm.server.agent_setup import build_mcp, choose_parsers
-    from cvllm.server.app import ServerSettings, build_app
+    from cvllm.server.agent_setup import build_mcp
+    from cvllm.server.app import build_app
     from cvllm.server.lifecycle import serve_until_signal
     from cvllm.utils.exit_deadline import wait_budget
     from cvllm.utils.gc_freeze import freeze_startup_objects
@@ -320,17 +147,7 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
     name = engine.config.served_model_name
     async_engine = AsyncEngine(engine, name, defaults)
     rank0.watch(async_engine)  # a dead or silent rank turns /health 503
-    tool_parser, reasoning_parser = choose_parsers(
-        kw["tool_call_parser"], kw["reasoning_parser"], engine.config.model.architecture,
-        engine.tokenizer.chat_template_source)
-    settings = ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
-                              served_model_name=name,
-                              keepalive_timeout_s=kw["keepalive_timeout"],
-                              header_timeout_s=kw["header_timeout"],
-                              body_timeout_s=kw["body_timeout"],
-                              max_connections=kw["max_connections"],
-                              tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
-                              mcp_max_rounds=kw["mcp_max_rounds"])
+    settings = _server_settings(kw, engine)
     if kw["api_process"] and _serve_in_api_process(kw, async_engine, settings):
         return
     mcp = build_mcp(kw["mcp_config"], kw["mcp_command"], kw["mcp_args"], kw["mcp_call_timeout"])
@@ -358,40 +175,59 @@ def _serve(kw: Dict[str, Any], rank0) -> None:
                            "serving %s on http://%s:%d/v1", name, kw["host"], kw["port"]))
 
 
+def _server_settings(kw: Dict[str, Any], engine):
+    """The flags -> ``ServerSettings``, the tool-call and reasoning parsers chosen for
+    the model (``auto``: from its architecture and chat template)."""
+    from cvllm.server.agent_setup import choose_parsers
+    from cvllm.server.app import ServerSettings
+
+    tool_parser, reasoning_parser = choose_parsers(
+        kw["tool_call_parser"], kw["reasoning_parser"], engine.config.model.architecture,
+        engine.tokenizer.chat_template_source)
+    return ServerSettings(host=kw["host"], port=kw["port"], api_key=kw["api_key"],
+                          served_model_name=engine.config.served_model_name,
+                          keepalive_timeout_s=kw["keepalive_timeout"],
+                          header_timeout_s=kw["header_timeout"],
+                          body_timeout_s=kw["body_timeout"],
+                          max_connections=kw["max_connections"],
+                          tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
+                          mcp_max_rounds=kw["mcp_max_rounds"])
+
+
 def _serve_in_api_process(kw: Dict[str, Any], async_engine, settings) -> bool:
-    """Serve through the API process (``runtime/api_host.py`` runs
+    """Serve through the API process (``runtime/api_launch.py`` runs
     ``python -m cvllm.server.api_process``); False, with a warning, when the engine's
     tokenizer cannot be handed to another process (then this process serves)."""
     import dataclasses
 
-    from cvllm.runtime import api_host
+    from cvllm.runtime import api_launch
     from cvllm.utils.gc_freeze import freeze_startup_objects
 
     mcp = {k: kw[k] for k in ("mcp_config", "mcp_command", "mcp_args", "mcp_call_timeout")}
     try:
-        hello = api_host.make_hello(async_engine, dataclasses.asdict(settings), mcp,
-                                    kw["shutdown_timeout"])
-    except api_host.TokenizerStaysError as e:
+        hello = api_launch.make_hello(async_engine, dataclasses.asdict(settings), mcp,
+                                      kw["shutdown_timeout"])
+    except api_launch.TokenizerStaysError as e:
         logger.warning("serving from this process (as --no-api-process): %s", e)
         return False
     log_args = ["--log-level", kw["log_level"]] + (["--log-file", kw["log_file"]]
                                                    if kw["log_file"] else [])
     freeze_startup_objects()
     try:
-        api_host.serve_with_api_process(
+        api_launch.serve_with_api_process(
             async_engine, hello, [sys.executable, "-m", "cvllm.server.api_process"], log_args)
-    except api_host.ApiProcessStartError as e:
+    except api_launch.ApiProcessStartError as e:
         _fail(str(e))
-    except api_host.ApiProcessDiedError as e:
+    except api_launch.ApiProcessDiedError as e:
         click.echo(f"cvllm: error: {e}", err=True)
         sys.exit(1)
     return True
 
 
 @main.command()
-@_model_options
-@_job_options
-@_sampling_options
+@model_options
+@job_options
+@sampling_options
 @click.option("--prompt", "prompts", multiple=True, help="A prompt; repeat for several. '-' reads lines from stdin.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap each prompt as a user chat message.")
 @click.option("--max-tokens", type=int, default=None, help="New tokens per prompt.")

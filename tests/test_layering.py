@@ -15,7 +15,7 @@ RANK = {
     "__init__": 0, "config": 0, "sampling_params": 0, "outputs": 0, "logger": 0, "utils": 0,
     "core": 1, "chat": 2, "distributed": 3, "kernels": 4, "attention": 5, "quantization": 5,
     "layers": 6, "models": 7, "loader": 8, "worker": 9, "engine": 10, "runtime": 11,
-    "server": 12, "cli": 13, "__main__": 13,
+    "server": 12, "cli": 13, "cli_options": 13, "__main__": 13,
 }
 """docs/architecture.md's layer table ("Layers"), bottom first; one rank per row (attention
 and quantization share one)."""

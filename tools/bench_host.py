@@ -254,18 +254,18 @@ def _serve_through_api_process(args, engine: AsyncEngine, client_out: Path) -> D
 
     import psutil
 
-    from cvllm.runtime import api_host
+    from cvllm.runtime import api_host, api_launch
     from cvllm.server.context import ServerSettings
 
     ours, theirs = socket.socketpair()
     settings = dataclasses.asdict(ServerSettings(host="127.0.0.1", port=0))
-    hello = api_host.make_hello(engine, settings, {}, 5.0)
+    hello = api_launch.make_hello(engine, settings, {}, 5.0)
     host = api_host.ApiHost(engine, ours, hello)
-    proc = api_host.spawn([sys.executable, "-m", "cvllm.server.api_process"], theirs,
-                          ["--log-level", "WARNING"])
+    proc = api_launch.spawn([sys.executable, "-m", "cvllm.server.api_process"], theirs,
+                            ["--log-level", "WARNING"])
     theirs.close()
     host.start()
-    api_host.wait_listening(host, proc)
+    api_launch.wait_listening(host, proc)
     port = int(host.address.rsplit(":", 1)[1])
     threads = {t.name: t.ident for t in threading.enumerate()
                if t.name in ("cvllm-engine", "cvllm-api-writer", "cvllm-api-reader")}

@@ -70,7 +70,7 @@ def steady_decode(engine, batch: int, prompt_len: int, vocab: int, rng) -> List[
 def host_phases(engine, reps: int) -> Dict[str, float]:
     """Host-only share of a step: schedule + build + update + outputs, with the model call
     replaced by the previous step's token ids (the GPU is idle meanwhile)."""
-    from cvllm.core.step_input import build_step_input
+    from cvllm.core.step_builder import build_step_input
 
     engine.overlap = False
     engine.step()  # completes the step in flight: the scheduler is idle again

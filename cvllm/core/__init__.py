@@ -8,17 +8,12 @@ from cvllm.core.block_manager import (
     NoFreeBlocksError,
 )
 from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout, KVCacheManager
-from cvllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from cvllm.core.scheduler import Scheduler
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence, SequenceStatus
-from cvllm.core.step_input import (
-    ControlMessage,
-    MessageHeader,
-    MessageKind,
-    StepInput,
-    StepInputError,
-    build_step_input,
-    unpack_message,
-)
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.step_input import StepInput, unpack_message
+from cvllm.core.wire_format import ControlMessage, MessageHeader, MessageKind, StepInputError
 
 __all__ = [
     "PLACEHOLDER_BLOCK", "BlockManager", "BlockManagerError", "NoFreeBlocksError",

@@ -77,92 +77,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 from cvllm.config import SchedulerConfig
 from cvllm.core.block_manager import BlockManager
 from cvllm.core.kv_cache_manager import KVCacheManager
+from cvllm.core.scheduler_output import SchedulerOutput, StepDraft
 from cvllm.core.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    """Tokens computed for this sequence in this step (from seq.num_computed_tokens on)."""
-    samples: bool
-    """This step completes the sequence's known tokens, so its last logits are sampled."""
-    start: Optional[int] = None
-    """The sequence's ``num_computed_tokens`` before this step: its first new position
-    (None: its ``num_computed_tokens`` now, for outputs built by hand)."""
-    prev_row: int = -1
-    """When the first new token is a placeholder: the sampling row of the step in flight
-    that samples it (the runner patches it in on the device); else -1."""
-    sample_index: int = -1
-    """Where this step's sampled token goes in ``seq.token_ids`` (a placeholder until
-    ``update``); -1 when the step does not sample the sequence."""
-
-    def __post_init__(self) -> None:
-        if self.start is None:
-            self.start = self.seq.num_computed_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    step_id: int
-    """Increments with every output that has work; an empty output repeats the last id."""
-    scheduled: List[ScheduledSeq] = field(default_factory=list)
-    """Decodes first, then prefill chunks (running, then newly admitted)."""
-    preempted: List[int] = field(default_factory=list)
-    """seq_ids preempted (by recompute) while building this step."""
-    finished: List[int] = field(default_factory=list)
-    """seq_ids that left the scheduler since the previous output, by any path (update,
-    abort, finish, or finished here because they can never fit)."""
-    starved: bool = False
-    """A running sequence was skipped because it needed a preemption while another step
-    was in flight; the next step should be scheduled with nothing in flight."""
-    block_copies: List[Tuple[int, int]] = field(default_factory=list)
-    """(src, dst) blocks of KV group 0 whose K/V every rank copies before this step's
-    forward (``copy_prefix_hits``)."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class _StepBuilder:
-    budget: int
-    scheduled: Dict[int, ScheduledSeq] = field(default_factory=dict)  # insertion-ordered
-    preempted: List[int] = field(default_factory=list)
-    block_copies: List[Tuple[int, int]] = field(default_factory=list)
-
-    starved: bool = False
-
-    def add(self, seq: Sequence, n: int) -> None:
-        start = seq.num_computed_tokens
-        samples = start + n == seq.num_tokens
-        prev_row = seq.last_sample_row if seq.num_pending_tokens else -1
-        self.scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, start, prev_row)
-        seq.num_computed_tokens += n  # counted as computed from now on
-        self.budget -= n
-
-    def extend(self, entry: ScheduledSeq, n: int) -> None:
-        """``n`` more tokens for a sequence already in this step, right after its own."""
-        seq = entry.seq
-        entry.num_new_tokens += n
-        entry.samples = entry.start + entry.num_new_tokens == seq.num_tokens
-        seq.num_computed_tokens += n
-        self.budget -= n
 
 
 class Scheduler:
@@ -281,7 +202,7 @@ class Scheduler:
                 f"schedule() called with steps {[o.step_id for o in self._in_flight]} in "
                 "flight; call update() first"
             )
-        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        step = StepDraft(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -307,7 +228,7 @@ class Scheduler:
             return True
         return seq.num_tokens >= self.config.max_model_len
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: StepDraft) -> None:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes:  # never held back by the budget (policy 1)
@@ -326,7 +247,7 @@ class Scheduler:
         for entry in step.scheduled.values():
             self.kv_cache_manager.cache_blocks(entry.seq)
 
-    def _schedule_one_running(self, seq: Sequence, n: int, step: _StepBuilder) -> None:
+    def _schedule_one_running(self, seq: Sequence, n: int, step: StepDraft) -> None:
         if self._last_token_in_flight(seq):
             return
         if not self._can_ever_fit(seq):
@@ -357,7 +278,7 @@ class Scheduler:
             want += min(seq.num_uncomputed_tokens, self.config.chunk_limit)
         return min(want, cap)
 
-    def _top_up_running(self, step: _StepBuilder) -> None:
+    def _top_up_running(self, step: StepDraft) -> None:
         """Give the budget the admissions left to the running prefill chunks that
         ``_reserve_for_waiting`` held back, oldest first, as far as free blocks go (no
         preemption for it)."""
@@ -378,7 +299,7 @@ class Scheduler:
             step.extend(entry, extra)
             kv.cache_blocks(seq)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
+    def _schedule_waiting(self, step: StepDraft) -> None:
         kv = self.kv_cache_manager
         pending = self._pending_prefix_blocks() if self.waiting else set()
         i = 0
@@ -451,7 +372,7 @@ class Scheduler:
         no_chunking = self.config.prefill_chunk_size == 0
         return not (no_chunking and seq.num_uncomputed_tokens > self.config.max_num_batched_tokens)
 
-    def _make_room(self, seq: Sequence, n: int, step: _StepBuilder) -> bool:
+    def _make_room(self, seq: Sequence, n: int, step: StepDraft) -> bool:
         """Preempt the newest running sequences until seq gets its blocks.
 
         Returns False when seq itself had to be preempted, or when a preemption was
@@ -467,7 +388,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
+    def _preempt(self, seq: Sequence, step: StepDraft) -> None:
         entry = step.scheduled.pop(seq.seq_id, None)
         if entry is not None:  # already given tokens in this step: take them back
             step.budget += entry.num_new_tokens
@@ -490,17 +411,7 @@ class Scheduler:
         """
         if out.is_empty:
             return []
-        oldest = self._in_flight[0].step_id if self._in_flight else None
-        if out.step_id != oldest:
-            raise RuntimeError(
-                f"update() for step {out.step_id}, but the oldest step in flight is {oldest}"
-            )
-        missing = [e.seq.seq_id for e in out.scheduled
-                   if e.samples and not e.seq.is_finished() and e.seq.seq_id not in sampled]
-        if missing:
-            raise ValueError(
-                f"update() of step {out.step_id}: no sampled token for seq_ids {missing}"
-            )
+        self._check_update(out, sampled)
         self._in_flight.pop(0)
         finished: List[Sequence] = []
         for entry in out.scheduled:
@@ -516,32 +427,32 @@ class Scheduler:
             self.kv_cache_manager.remove_out_of_window_blocks(seq)
             if not entry.samples:
                 continue
-            status, stop_reason = self._check_stop(seq, entry.sample_index)
+            status, stop_reason = seq.stop_status(entry.sample_index, self.config.max_model_len)
             if status is not None:
                 self._finish_seq(seq, status, stop_reason)
                 finished.append(seq)
-        done = [seq for last, seq in self._deferred_free if last <= out.step_id]
-        self._deferred_free = [(last, seq) for last, seq in self._deferred_free
-                               if last > out.step_id]
-        for seq in done:
-            self.kv_cache_manager.free(seq)
+        self._free_deferred(out.step_id)
         return finished
 
-    def _check_stop(self, seq: Sequence, index: int) -> Tuple[Optional[SequenceStatus], Optional[int]]:
-        """Why seq stops after its token at ``index`` (the newest known one), if it does.
+    def _check_update(self, out: SchedulerOutput, sampled: Dict[int, int]) -> None:
+        """``out`` is the oldest step in flight, and ``sampled`` has a token for each
+        sequence it samples that is still unfinished."""
+        oldest = self._in_flight[0].step_id if self._in_flight else None
+        if out.step_id != oldest:
+            raise RuntimeError(
+                f"update() for step {out.step_id}, but the oldest step in flight is {oldest}"
+            )
+        missing = [e.seq.seq_id for e in out.scheduled
+                   if e.samples and not e.seq.is_finished() and e.seq.seq_id not in sampled]
+        if missing:
+            raise ValueError(
+                f"update() of step {out.step_id}: no sampled token for seq_ids {missing}"
+            )
 
-        EOS and stop tokens count only once ``min_tokens`` tokens were generated before
-        them (vLLM's semantics: the stop token itself is not one of the min_tokens).
-        """
-        params, token = seq.params, seq.token_ids[index]
-        num_output = index + 1 - seq.num_prompt_tokens
-        if num_output - 1 >= params.min_tokens:
-            if not params.ignore_eos and token in seq.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
-        if seq.max_tokens is not None and num_output >= seq.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH, None
-        if index + 1 >= self.config.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None, None
+    def _free_deferred(self, step_id: int) -> None:
+        """Free the finished sequences whose last step in flight was ``step_id`` or older."""
+        done = [seq for last, seq in self._deferred_free if last <= step_id]
+        self._deferred_free = [(last, seq) for last, seq in self._deferred_free
+                               if last > step_id]
+        for seq in done:
+            self.kv_cache_manager.free(seq)

@@ -97,6 +97,13 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (reset to 0 by preemption)."""
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
+        self._init_cache_state()
+        self._init_output_state(params)
+
+    def _init_cache_state(self) -> None:
+        """Where its K/V lives: blocks, state slot, prefix-cache keys."""
         self.block_ids_by_group: List[List[int]] = [[]]
         """Per KV cache group (see ``core/kv_cache_manager.py``), the block ids in position
         order, covering at least ``num_computed_tokens`` tokens. In a sliding-window group
@@ -104,8 +111,18 @@ class Sequence:
         ``PLACEHOLDER_BLOCK`` (-1), so index ``i`` always holds positions ``i*bs ..``."""
         self.state_slot = -1
         """Linear-attention state slot (``StateSpec`` layers) while running; -1 when none."""
-        self.status = SequenceStatus.WAITING
-        self.num_preemptions = 0
+        self.block_hashes: List[BlockHash] = []
+        """Prefix-cache key of each full block of confirmed tokens (``update_block_hashes``)."""
+        self.extra_hash_keys: Tuple = ()
+        """Keys besides the tokens that change every block's K/V (a LoRA adapter's name,
+        a cache salt); features that change only some blocks (images) extend
+        ``_block_extra_keys`` instead."""
+        self.num_cached_tokens = 0
+        """Prompt tokens whose K/V came from the prefix cache at the first admission
+        (``usage.prompt_tokens_details.cached_tokens``)."""
+
+    def _init_output_state(self, params: SamplingParams) -> None:
+        """How its output ends, and the placeholders of the steps in flight."""
         self.finish_reason: Optional[str] = None
         """'stop', 'length' or 'abort' once finished."""
         self.stop_reason: Optional[Union[int, str]] = None
@@ -116,15 +133,6 @@ class Sequence:
         """Placeholders at the tail of ``token_ids`` (steps in flight that sample it)."""
         self.last_sample_row = -1
         """The sampling row of this sequence in the newest step that samples it."""
-        self.block_hashes: List[BlockHash] = []
-        """Prefix-cache key of each full block of confirmed tokens (``update_block_hashes``)."""
-        self.extra_hash_keys: Tuple = ()
-        """Keys besides the tokens that change every block's K/V (a LoRA adapter's name,
-        a cache salt); features that change only some blocks (images) extend
-        ``_block_extra_keys`` instead."""
-        self.num_cached_tokens = 0
-        """Prompt tokens whose K/V came from the prefix cache at the first admission
-        (``usage.prompt_tokens_details.cached_tokens``)."""
 
     @property
     def block_ids(self) -> List[int]:
@@ -231,6 +239,27 @@ class Sequence:
         if self.num_pending_tokens:
             del self.token_ids[-self.num_pending_tokens:]
             self.num_pending_tokens = 0
+
+    def stop_status(self, index: int, max_model_len: int
+                    ) -> Tuple[Optional[SequenceStatus], Optional[int]]:
+        """Why it stops after its token at ``index`` (the newest known one), if it does
+        (``Scheduler.update``).
+
+        EOS and stop tokens count only once ``min_tokens`` tokens were generated before
+        them (vLLM's semantics: the stop token itself is not one of the min_tokens).
+        """
+        params, token = self.params, self.token_ids[index]
+        num_output = index + 1 - self.num_prompt_tokens
+        if num_output - 1 >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+        if self.max_tokens is not None and num_output >= self.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if index + 1 >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
 
     def set_finished(
         self, status: SequenceStatus, stop_reason: Optional[Union[int, str]] = None

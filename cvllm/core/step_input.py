@@ -7,15 +7,9 @@ every other rank ``unpack()``s them, checks ``step_id`` and hands the ``StepInpu
 samples, but all ranks receive the sampling rows: they are small, and a rank that takes
 over sampling later needs no new wire format.
 
-Wire format (version 2), never pickle:
-
-    header  <4s H H Q Q I>: magic b"CVLS", version, kind, step_id, body length, crc32(body)
-    body    (STEP only) u32 array count, then per array:
-            <H B B> name id, dtype code, ndim;  ndim x u32 dims;  raw little-endian data
-
-Control messages (ABORT, SHUTDOWN, HEARTBEAT) are the header alone with an empty body.
-Every length is bounded before anything is allocated (DESIGN rule 12); a malformed
-buffer raises ``StepInputError``.
+The wire format (header, array codec, control messages) is ``core/wire_format.py``;
+every length is bounded before anything is allocated (DESIGN rule 12); a malformed
+buffer raises ``StepInputError``. ``build_step_input`` is ``core/step_builder.py``.
 
 Shapes: T tokens in the step, B sequences, S sampling rows (sequences whose logits are
 sampled this step), M max blocks of any sequence in the step, G KV cache groups (>= 1).
@@ -34,159 +28,27 @@ the runner patches in on the device (``core/sequence.py`` placeholders).
 Block copies: ``block_copies[c] = (src, dst)`` block ids of KV group 0 whose K/V every
 layer of that group copies, src to dst, before this step's forward (a lone CPU sequence's
 prefix hit, taken as copies so that its blocks are consecutive: ``Scheduler``).
-
-Version 2 added kv_group_windows, group_slot_mapping, group_block_tables, state_slots;
-version 3 added prev_rows; version 4 added block_copies.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from cvllm.core.block_manager import PLACEHOLDER_BLOCK
-from cvllm.core.scheduler import SchedulerOutput
+from cvllm.core.wire_format import (
+    DEFAULT_MAX_BODY_BYTES, F32, I32, I64, STEP_FIELDS, ControlMessage, MessageHeader,
+    MessageKind, StepInputError, checked_body, decode_arrays, encode_arrays, pack_message,
+)
 
-MAGIC = b"CVLS"
-VERSION = 4
-DEFAULT_MAX_BODY_BYTES = 1 << 30
 MAX_KV_GROUPS = 64
-
-
-class StepInputError(ValueError):
-    """A StepInput or a message buffer is malformed; the message says what is wrong."""
-
-
-class MessageKind(enum.IntEnum):
-    STEP = 1
-    ABORT = 2
-    SHUTDOWN = 3
-    HEARTBEAT = 4
-
-
-_HEADER = struct.Struct("<4sHHQQI")
-HEADER_SIZE = _HEADER.size
-_COUNT = struct.Struct("<I")
-_DESC = struct.Struct("<HBB")
-_DIM = struct.Struct("<I")
-
-_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<f4")}
-_I32, _I64, _F32 = _DTYPES[1], _DTYPES[2], _DTYPES[3]
-_DTYPE_CODES = {dt: code for code, dt in _DTYPES.items()}
-
-# name id -> (field name, dtype, dims). The ids are the wire format: never reuse one.
-_FIELDS = {
-    1: ("input_ids", _I32, ("T",)),
-    2: ("positions", _I32, ("T",)),
-    3: ("slot_mapping", _I64, ("T",)),
-    4: ("query_start_loc", _I32, ("B+1",)),
-    5: ("seq_lens", _I32, ("B",)),
-    6: ("block_tables", _I32, ("B", "M")),
-    7: ("logits_indices", _I32, ("S",)),
-    8: ("sample_rows", _I32, ("S",)),
-    9: ("temperature", _F32, ("S",)),
-    10: ("top_p", _F32, ("S",)),
-    11: ("top_k", _I32, ("S",)),
-    12: ("min_p", _F32, ("S",)),
-    13: ("presence_penalty", _F32, ("S",)),
-    14: ("frequency_penalty", _F32, ("S",)),
-    15: ("repetition_penalty", _F32, ("S",)),
-    16: ("has_seed", _I32, ("S",)),
-    17: ("seeds", _I64, ("S",)),
-    18: ("output_index", _I32, ("S",)),
-    19: ("kv_group_windows", _I32, ("G",)),
-    20: ("group_slot_mapping", _I64, ("G-1", "T")),
-    21: ("group_block_tables", _I32, ("G-1", "B", "M")),
-    22: ("state_slots", _I32, ("B",)),
-    23: ("prev_rows", _I32, ("T",)),
-    24: ("block_copies", _I32, ("C", "2")),
-}
-_FIELD_IDS = {name: fid for fid, (name, _, _) in _FIELDS.items()}
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "has_seed", "seeds", "output_index",
 )
-"""The per-row values ``_sampling_arrays`` fills from each sequence's SamplingParams."""
-
-
-@dataclass(frozen=True)
-class MessageHeader:
-    kind: MessageKind
-    step_id: int
-    body_len: int
-    crc: int
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, VERSION, int(self.kind), self.step_id, self.body_len, self.crc)
-
-    @classmethod
-    def unpack(cls, buf, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "MessageHeader":
-        """Parse and bound the first HEADER_SIZE bytes (a transport may read them alone)."""
-        if len(buf) < HEADER_SIZE:
-            raise StepInputError(
-                f"message is {len(buf)} bytes, shorter than the {HEADER_SIZE}-byte header"
-            )
-        magic, version, kind, step_id, body_len, crc = _HEADER.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise StepInputError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise StepInputError(f"unsupported wire version {version}, this build speaks {VERSION}")
-        try:
-            kind = MessageKind(kind)
-        except ValueError:
-            raise StepInputError(f"unknown message kind {kind}") from None
-        if body_len > max_body_bytes:
-            raise StepInputError(f"body of {body_len} bytes exceeds the limit of {max_body_bytes}")
-        if kind != MessageKind.STEP and body_len != 0:
-            raise StepInputError(
-                f"{kind.name} message must have an empty body, got {body_len} bytes"
-            )
-        return cls(kind, step_id, body_len, crc)
-
-
-def _pack_message(kind: MessageKind, step_id: int, body: bytes = b"") -> bytes:
-    if not 0 <= step_id < 2**64:
-        raise StepInputError(f"step_id {step_id} does not fit in u64")
-    return MessageHeader(kind, step_id, len(body), zlib.crc32(body)).pack() + body
-
-
-def _checked_body(buf, max_body_bytes: int) -> tuple[MessageHeader, memoryview]:
-    header = MessageHeader.unpack(buf, max_body_bytes)
-    if len(buf) != HEADER_SIZE + header.body_len:
-        raise StepInputError(
-            f"message is {len(buf)} bytes, header says {HEADER_SIZE + header.body_len} "
-            "(truncated or trailing data)"
-        )
-    body = memoryview(buf)[HEADER_SIZE:]
-    if zlib.crc32(body) != header.crc:
-        raise StepInputError(f"crc32 mismatch in step {header.step_id}: body is corrupt")
-    return header, body
-
-
-@dataclass(frozen=True)
-class ControlMessage:
-    """ABORT, SHUTDOWN or HEARTBEAT: the header alone."""
-
-    kind: MessageKind
-    step_id: int = 0
-
-    def pack(self) -> bytes:
-        if self.kind == MessageKind.STEP:
-            raise StepInputError("a STEP message is a StepInput, not a ControlMessage")
-        return _pack_message(self.kind, self.step_id)
-
-    @classmethod
-    def unpack(cls, buf, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "ControlMessage":
-        header, _ = _checked_body(buf, max_body_bytes)
-        if header.kind == MessageKind.STEP:
-            raise StepInputError("expected a control message, got STEP")
-        return cls(header.kind, header.step_id)
+"""The per-row values ``build_step_input`` fills from each sequence's SamplingParams."""
 
 
 def unpack_message(
@@ -225,7 +87,7 @@ class StepInput:
     state_slots: np.ndarray  # [B] int32, linear-attention state slot, -1 = none
     prev_rows: np.ndarray  # [T] int32, previous step's sampling row giving the id, -1 = none
     block_copies: np.ndarray = field(
-        default_factory=lambda: np.zeros((0, 2), _I32))  # [C, 2] int32 (src, dst), group 0
+        default_factory=lambda: np.zeros((0, 2), I32))  # [C, 2] int32 (src, dst), group 0
 
     # ----- shape helpers ---------------------------------------------------------------
 
@@ -267,7 +129,7 @@ class StepInput:
         return window, self.group_slot_mapping[g - 1], self.group_block_tables[g - 1]
 
     def arrays(self) -> Dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name, _, _ in _FIELDS.values()}
+        return {name: getattr(self, name) for name, _, _ in STEP_FIELDS.values()}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepInput) or self.step_id != other.step_id:
@@ -283,14 +145,14 @@ class StepInput:
         cls, step_id: int = 0, group_windows: Sequence[Optional[int]] = (None,)
     ) -> "StepInput":
         """A step with no sequences (B = T = S = 0)."""
-        arrays = {name: np.zeros(0, dt) for name, dt, _ in _FIELDS.values()}
-        arrays["query_start_loc"] = np.zeros(1, _I32)
-        arrays["block_tables"] = np.zeros((0, 0), _I32)
-        arrays["kv_group_windows"] = _windows_array(group_windows)
+        arrays = {name: np.zeros(0, dt) for name, dt, _ in STEP_FIELDS.values()}
+        arrays["query_start_loc"] = np.zeros(1, I32)
+        arrays["block_tables"] = np.zeros((0, 0), I32)
+        arrays["kv_group_windows"] = windows_array(group_windows)
         G = len(group_windows)
-        arrays["group_slot_mapping"] = np.zeros((G - 1, 0), _I64)
-        arrays["group_block_tables"] = np.zeros((G - 1, 0, 0), _I32)
-        arrays["block_copies"] = np.zeros((0, 2), _I32)
+        arrays["group_slot_mapping"] = np.zeros((G - 1, 0), I64)
+        arrays["group_block_tables"] = np.zeros((G - 1, 0, 0), I32)
+        arrays["block_copies"] = np.zeros((0, 2), I32)
         return cls(step_id=step_id, **arrays)
 
     # ----- validation ------------------------------------------------------------------
@@ -324,7 +186,7 @@ class StepInput:
     def _validate_layout(self) -> None:
         if not 0 <= self.step_id < 2**64:
             raise StepInputError(f"step_id {self.step_id} does not fit in u64")
-        for name, dtype, dims in _FIELDS.values():
+        for name, dtype, dims in STEP_FIELDS.values():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
                 got = getattr(arr, "dtype", type(arr).__name__)
@@ -336,7 +198,7 @@ class StepInput:
             raise StepInputError(
                 f"kv_group_windows names {G} KV groups, expected 1..{MAX_KV_GROUPS}"
             )
-        for name, dtype, dims in _FIELDS.values():
+        for name, dtype, dims in STEP_FIELDS.values():
             arr = getattr(self, name)
             sizes = {"T": T, "B": B, "S": S, "B+1": B + 1, "G": G, "G-1": G - 1,
                      "M": arr.shape[-1], "C": arr.shape[0], "2": 2}
@@ -434,7 +296,7 @@ class StepInput:
             raise StepInputError(f"sample_rows must be strictly increasing indices in [0, {B})")
         if not np.array_equal(self.logits_indices, self.query_start_loc[rows + 1] - 1):
             raise StepInputError("logits_indices must point at the last token of each sampled row")
-        floats = [getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n).dtype == _F32]
+        floats = [getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n).dtype == F32]
         if not all(np.isfinite(a).all() for a in floats):
             raise StepInputError("sampling values must be finite")
         checks = [
@@ -454,175 +316,19 @@ class StepInput:
 
     def pack(self) -> bytes:
         self.validate()
-        parts = [_COUNT.pack(len(_FIELDS))]
-        for fid, (name, dtype, _) in _FIELDS.items():
-            arr = np.ascontiguousarray(getattr(self, name))
-            parts.append(_DESC.pack(fid, _DTYPE_CODES[dtype], arr.ndim))
-            parts.extend(_DIM.pack(d) for d in arr.shape)
-            parts.append(arr.tobytes())
-        return _pack_message(MessageKind.STEP, self.step_id, b"".join(parts))
+        return pack_message(MessageKind.STEP, self.step_id, encode_arrays(self))
 
     @classmethod
     def unpack(cls, buf, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> "StepInput":
-        header, body = _checked_body(buf, max_body_bytes)
+        header, body = checked_body(buf, max_body_bytes)
         if header.kind != MessageKind.STEP:
             raise StepInputError(f"expected a STEP message, got {header.kind.name}")
-        arrays = _parse_arrays(body)
+        arrays = decode_arrays(body)
         step = cls(step_id=header.step_id, **arrays)
         step.validate()
         return step
 
 
-class _Reader:
-    """Bounded reads from a body: every read checks the bytes are there first."""
-
-    def __init__(self, body: memoryview) -> None:
-        self.body, self.offset = body, 0
-
-    def take(self, n: int, what: str) -> memoryview:
-        if n > len(self.body) - self.offset:
-            raise StepInputError(
-                f"body truncated reading {what}: need {n} bytes at offset {self.offset}"
-            )
-        view = self.body[self.offset:self.offset + n]
-        self.offset += n
-        return view
-
-    def unpack(self, st: struct.Struct, what: str) -> tuple:
-        return st.unpack(self.take(st.size, what))
-
-
-def _parse_arrays(body: memoryview) -> Dict[str, np.ndarray]:
-    reader = _Reader(body)
-    (count,) = reader.unpack(_COUNT, "array count")
-    if count != len(_FIELDS):
-        raise StepInputError(f"STEP body has {count} arrays, expected {len(_FIELDS)}")
-    arrays: Dict[str, np.ndarray] = {}
-    for _ in range(count):
-        fid, code, ndim = reader.unpack(_DESC, "array descriptor")
-        if fid not in _FIELDS:
-            raise StepInputError(f"unknown array name id {fid}")
-        name, dtype, dims = _FIELDS[fid]
-        if name in arrays:
-            raise StepInputError(f"array {name} appears twice")
-        if _DTYPES.get(code) != dtype:
-            raise StepInputError(
-                f"array {name} has dtype code {code}, expected {_DTYPE_CODES[dtype]}"
-            )
-        if ndim != len(dims):
-            raise StepInputError(f"array {name} has ndim {ndim}, expected {len(dims)}")
-        shape = tuple(reader.unpack(_DIM, f"{name} shape")[0] for _ in range(ndim))
-        count_items = int(np.prod(shape, dtype=object)) if shape else 1
-        data = reader.take(count_items * dtype.itemsize, f"{name} data")  # bounded before copying
-        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
-    if reader.offset != len(body):
-        raise StepInputError(f"{len(body) - reader.offset} bytes of trailing data in STEP body")
-    return arrays
-
-
-def build_step_input(
-    out: SchedulerOutput, block_size: int, group_windows: Sequence[Optional[int]] = (None,)
-) -> StepInput:
-    """Flatten a SchedulerOutput into the arrays every rank runs (rank 0 only).
-    ``group_windows``: the sliding window of each KV cache group (None = full), as in
-    ``KVCacheLayout.windows``."""
-    entries = out.scheduled
-    B = len(entries)
-    if B == 0:
-        return StepInput.empty(out.step_id, group_windows)
-    query_lens = np.fromiter((e.num_new_tokens for e in entries), np.int64, B)  # [B]
-    computed = np.fromiter((e.start for e in entries), np.int64, B)  # [B]
-    seq_lens = computed + query_lens  # [B]
-    query_start_loc = np.zeros(B + 1, np.int64)  # [B+1]
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    T = int(query_start_loc[-1])
-
-    input_ids = np.fromiter(
-        itertools.chain.from_iterable(
-            e.seq.token_ids[e.start:e.start + e.num_new_tokens] for e in entries
-        ),
-        _I32,
-        T,
-    )  # [T]
-    seq_idx = np.repeat(np.arange(B), query_lens)  # [T]
-    offsets = np.arange(T) - np.repeat(query_start_loc[:-1], query_lens)  # [T] index in its query
-    positions = np.repeat(computed, query_lens) + offsets  # [T]
-    groups = [_group_arrays(entries, g, seq_lens, seq_idx, positions, block_size)
-              for g in range(len(group_windows))]
-    M2 = max([t.shape[1] for _, t in groups[1:]], default=0)
-    group_block_tables = np.zeros((len(groups) - 1, B, M2), _I32)  # [G-1, B, M']
-    for g, (_, t) in enumerate(groups[1:]):
-        group_block_tables[g, :, :t.shape[1]] = t
-
-    rows = [i for i, e in enumerate(entries) if e.samples]
-    rows_arr = np.asarray(rows, _I32)  # [S]
-    return StepInput(
-        step_id=out.step_id,
-        input_ids=input_ids,
-        positions=positions.astype(_I32),
-        slot_mapping=groups[0][0],
-        query_start_loc=query_start_loc.astype(_I32),
-        seq_lens=seq_lens.astype(_I32),
-        block_tables=groups[0][1],
-        logits_indices=(query_start_loc[rows_arr + 1] - 1).astype(_I32),
-        sample_rows=rows_arr,
-        kv_group_windows=_windows_array(group_windows),
-        group_slot_mapping=np.stack([s for s, _ in groups[1:]]) if len(groups) > 1
-        else np.zeros((0, T), _I64),
-        group_block_tables=group_block_tables,
-        state_slots=np.fromiter((e.seq.state_slot for e in entries), _I32, B),
-        prev_rows=_prev_rows(entries, query_start_loc, T),
-        block_copies=np.asarray(out.block_copies, _I32).reshape(-1, 2),
-        **_sampling_arrays([entries[i] for i in rows]),
-    )
-
-
-def _group_arrays(entries, g: int, seq_lens: np.ndarray, seq_idx: np.ndarray,
-                  positions: np.ndarray, block_size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """KV group g's ``(slot_mapping [T] int64, block_tables [B, M] int32)``."""
-    lists = [e.seq.group_block_ids(g) for e in entries]
-    block_tables = np.zeros((len(entries), max(len(b) for b in lists)), _I32)  # [B, M]
-    for i, (e, ids) in enumerate(zip(entries, lists)):
-        if len(ids) * block_size < seq_lens[i]:
-            raise ValueError(
-                f"{e.seq!r} has too few blocks in KV group {g} for {seq_lens[i]} tokens"
-            )
-        block_tables[i, :len(ids)] = ids
-    blocks = block_tables[seq_idx, positions // block_size].astype(_I64)  # [T]
-    if (blocks < 0).any():
-        raise ValueError(f"a token of this step falls in a freed block of KV group {g}")
-    return blocks * block_size + positions % block_size, block_tables
-
-
-def _windows_array(windows: Sequence[Optional[int]]) -> np.ndarray:
-    return np.asarray([int(w or 0) for w in windows], _I32)  # [G]
-
-
-def _prev_rows(entries, query_start_loc: np.ndarray, T: int) -> np.ndarray:
-    """[T] int32: a placeholder is only ever the single new token of a decode."""
-    prev = np.full(T, -1, _I32)
-    for i, e in enumerate(entries):
-        if e.prev_row >= 0:
-            if e.num_new_tokens != 1:
-                raise ValueError(f"{e.seq!r}: a placeholder input in a {e.num_new_tokens}-token step")
-            prev[query_start_loc[i]] = e.prev_row
-    return prev
-
-
-def _sampling_arrays(entries) -> Dict[str, np.ndarray]:
-    """Per-sampling-row values from each sequence's SamplingParams."""
-    params = [e.seq.params for e in entries]
-    return {
-        "temperature": np.asarray([p.temperature for p in params], _F32),
-        "top_p": np.asarray([p.top_p for p in params], _F32),
-        "top_k": np.asarray([p.top_k for p in params], _I32),
-        "min_p": np.asarray([p.min_p for p in params], _F32),
-        "presence_penalty": np.asarray([p.presence_penalty for p in params], _F32),
-        "frequency_penalty": np.asarray([p.frequency_penalty for p in params], _F32),
-        "repetition_penalty": np.asarray([p.repetition_penalty for p in params], _F32),
-        "has_seed": np.asarray([p.seed is not None for p in params], _I32),
-        "seeds": np.asarray([p.seed or 0 for p in params], _I64),
-        # the sampled token lands right after the step's last input token
-        "output_index": np.asarray([e.start + e.num_new_tokens - e.seq.num_prompt_tokens
-                                    for e in entries], _I32),
-    }
+def windows_array(windows: Sequence[Optional[int]]) -> np.ndarray:
+    """``kv_group_windows``: each group's sliding window, 0 for full attention (None)."""
+    return np.asarray([int(w or 0) for w in windows], I32)  # [G]

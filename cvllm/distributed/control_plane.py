@@ -8,7 +8,7 @@ heartbeat thread that sends HEARTBEAT whenever it has sent nothing for
 ``heartbeat_interval_s`` (~1 s), so a worker whose ``recv(timeout_s=10)`` times out knows
 rank 0 is gone.
 
-Framing is ``cvllm.core.step_input``'s, never a second one, never pickle: a STEP's body is
+Framing is ``cvllm.core.wire_format``'s, never a second one, never pickle: a STEP's body is
 the bytes of ``StepInput.pack()`` (its own header then its arrays); any other kind is
 ``ControlMessage(kind, step_id).pack()``, a header alone. On the wire each message is two
 phases: the fixed ``HEADER_SIZE``-byte header, then (when the header's body length is not
@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from cvllm.core.step_input import (
+from cvllm.core.wire_format import (
     HEADER_SIZE, ControlMessage, MessageHeader, MessageKind, StepInputError,
 )
 from cvllm.distributed.inprocess import InProcessGroup

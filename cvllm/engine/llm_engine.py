@@ -34,9 +34,10 @@ from typing import Dict, List, Optional
 from cvllm.config import EngineConfig
 from cvllm.core.kv_cache_manager import KVCacheLayout, KVCacheManager
 from cvllm.core.sampling_batch import build_sampling_batch
-from cvllm.core.scheduler import Scheduler, SchedulerOutput
+from cvllm.core.scheduler import Scheduler
+from cvllm.core.scheduler_output import SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import build_step_input
+from cvllm.core.step_builder import build_step_input
 from cvllm.engine.detokenizer import IncrementalDetokenizer
 from cvllm.engine.structured import GrammarState
 from cvllm.engine.tokenizer import Tokenizer

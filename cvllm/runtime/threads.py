@@ -17,9 +17,8 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, List
 
-from cvllm.runtime.spmd import (
-    JobSupervisor, ParallelOptions, Rank0, rank_device, run_rank0, thread_env,
-)
+from cvllm.runtime.spmd import ParallelOptions, Rank0, rank_device, run_rank0, thread_env
+from cvllm.runtime.supervisor import JobSupervisor
 
 logger = logging.getLogger("cvllm.spmd")
 

@@ -1,6 +1,6 @@
 """The API-server process: ``python -m cvllm.server.api_process --fd N``.
 
-Started by rank 0 (``runtime/api_host.serve_with_api_process``) with one end of a Unix
+Started by rank 0 (``runtime/api_launch.serve_with_api_process``) with one end of a Unix
 socket pair as file descriptor N; never started by hand. It ignores SIGTERM / SIGINT sent
 to it: rank 0 passes on the ones it gets as SIGNAL frames. It reads the engine's HELLO
 (model, limits, default sampling values, server settings, the tokenizer's files and a

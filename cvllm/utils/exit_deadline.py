@@ -1,7 +1,7 @@
 """A process-wide exit deadline: once shutdown starts, the process ends by a set time.
 
 Armed by ``server/lifecycle.py`` on rank 0 (SIGTERM / SIGINT while serving) and by
-``runtime/spmd.py`` on the other ranks (the signal mpirun / torchrun forward). Shutdown
+``runtime/worker_rank.py`` on the other ranks (the signal mpirun / torchrun forward). Shutdown
 normally finishes well before the deadline; if any step of it hangs (a peer that left
 mid-collective, ``MPI_Finalize``, a join), a daemon thread flushes the logs and leaves
 with ``os._exit`` when the deadline passes. Arming again can only bring the deadline

@@ -10,7 +10,9 @@ from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout, KVCac
 from cvllm.core.prefix_cache import PrefixHit
 from cvllm.core.scheduler import Scheduler
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import StepInput, StepInputError, build_step_input
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import StepInputError
 from cvllm.sampling_params import SamplingParams
 
 BS = 4

@@ -12,7 +12,7 @@ from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout, KVCac
 from cvllm.core.prefix_cache import hash_block_tokens
 from cvllm.core.scheduler import Scheduler
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import build_step_input
+from cvllm.core.step_builder import build_step_input
 from cvllm.sampling_params import SamplingParams
 
 BS = 4

@@ -5,17 +5,16 @@ import numpy as np
 import pytest
 
 from cvllm.core.block_manager import BlockManager
-from cvllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import (
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.step_input import StepInput, unpack_message
+from cvllm.core.wire_format import (
     HEADER_SIZE,
     ControlMessage,
     MessageHeader,
     MessageKind,
-    StepInput,
     StepInputError,
-    build_step_input,
-    unpack_message,
 )
 from cvllm.sampling_params import SamplingParams
 

@@ -10,16 +10,11 @@ import pytest
 
 from cvllm.core.block_manager import PLACEHOLDER_BLOCK
 from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout, KVCacheManager
-from cvllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import (
-    HEADER_SIZE,
-    MessageHeader,
-    MessageKind,
-    StepInput,
-    StepInputError,
-    build_step_input,
-)
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import HEADER_SIZE, MessageHeader, MessageKind, StepInputError
 from cvllm.sampling_params import SamplingParams
 
 BS = 4

@@ -18,12 +18,15 @@ import time
 import torch
 
 from cvllm.core.block_manager import BlockManager
-from cvllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import HEADER_SIZE, MessageKind, StepInput, build_step_input
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import HEADER_SIZE, MessageKind
 from cvllm.distributed import comm
 from cvllm.distributed.control_plane import ControlPlaneError, make_control_plane
-from cvllm.distributed.launch_env import detect_launch_env, init_distributed, shutdown_distributed
+from cvllm.distributed.launch_env import detect_launch_env
+from cvllm.distributed.rendezvous import init_distributed, shutdown_distributed
 from cvllm.sampling_params import SamplingParams
 
 BS = 4

@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 
-from cvllm.distributed.health import HealthReporter
+from cvllm.distributed.health_reporter import HealthReporter
 
 
 def main() -> int:

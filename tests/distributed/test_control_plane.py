@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cvllm.core.step_input import HEADER_SIZE, MAGIC, VERSION, MessageKind, StepInput
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import HEADER_SIZE, MAGIC, VERSION, MessageKind
 from cvllm.distributed.control_plane import (
     ControlPlaneError, ControlPlaneTimeout, InProcessControlPlane, Message, encode_frame,
     make_control_plane,

@@ -14,8 +14,9 @@ import pytest
 
 from cvllm.distributed.health import (
     HEADER_SIZE, MAX_PAYLOAD_BYTES, FrameDecoder, FrameKind, HealthMonitor,
-    HealthProtocolError, HealthReporter, encode_frame,
+    HealthProtocolError, encode_frame,
 )
+from cvllm.distributed.health_reporter import HealthReporter
 
 REPO = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("health_peer.py")

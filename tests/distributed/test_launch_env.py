@@ -7,8 +7,8 @@ import pytest
 from cvllm.config import ConfigError
 from cvllm.distributed.launch_env import (
     LaunchEnv, child_environ, detect_launch_env, find_free_port_pair, local_device_id,
-    resolve_bind,
 )
+from cvllm.distributed.rendezvous import resolve_bind
 
 OMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
@@ -129,7 +129,7 @@ def test_resolve_bind():
 def test_init_distributed_single_and_multithread():
     from cvllm.distributed import comm, parallel_state
     from cvllm.distributed.inprocess import run_ranks
-    from cvllm.distributed.launch_env import init_distributed
+    from cvllm.distributed.rendezvous import init_distributed
 
     single = detect_launch_env({})
     assert init_distributed(single, "cpu") == single

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from cvllm.config import ConfigError
-from cvllm.core.step_input import MessageKind, StepInput
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import MessageKind
 from cvllm.distributed.control_plane import ControlPlaneTimeout, Message
 from cvllm.runtime.launcher import LocalRanks
-from cvllm.runtime.spmd import JobSupervisor, SPMDRunner
+from cvllm.runtime.spmd import SPMDRunner
+from cvllm.runtime.supervisor import JobSupervisor
 from cvllm.logger import rank_log_path
 from cvllm.worker.worker_loop import (
     FaultInjector, InjectedFault, WorkerError, serve_steps, step_from_message,
@@ -185,10 +187,10 @@ def test_spawned_stderr_is_relayed_with_the_rank(capfd):
 
 
 def test_supervisor_aborts_after_the_grace(monkeypatch):
-    import cvllm.runtime.spmd as spmd
+    import cvllm.runtime.supervisor as supervisor
 
     aborted = []
-    monkeypatch.setattr(spmd, "abort_job", lambda *a: aborted.append(a))
+    monkeypatch.setattr(supervisor, "abort_job", lambda *a: aborted.append(a))
     sup = JobSupervisor("gloo", grace_s=0.05)
     seen = []
     sup.add_listener(seen.append)

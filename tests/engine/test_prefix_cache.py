@@ -139,7 +139,8 @@ def test_a_lone_hit_is_copied_and_read_in_place(tiny, monkeypatch):
 def test_the_runner_refuses_copies_outside_its_cache(tiny):
     import numpy as np
 
-    from cvllm.core.step_input import StepInput, StepInputError
+    from cvllm.core.step_input import StepInput
+    from cvllm.core.wire_format import StepInputError
 
     runner = _llm(tiny).engine.runner
     for bad in ([[0, runner.num_blocks]], [[-1, 2]]):

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from cvllm.kernels import reference as ref
 from cvllm.kernels.sampling import _exp_noise
-from cvllm.layers.sampler import Sampler, SamplingTensors
+from cvllm.layers.sampler import Sampler
+from cvllm.layers.sampling_tensors import SamplingTensors
 from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()

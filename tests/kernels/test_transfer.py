@@ -34,7 +34,7 @@ def _busy_device(seconds: float) -> None:
 @cuda
 def test_copies_do_not_wait_for_queued_work():
     from cvllm.attention.metadata import AttentionMetadata
-    from cvllm.layers.sampler import SamplingTensors
+    from cvllm.layers.sampling_tensors import SamplingTensors
 
     def copies():
         x = to_device(np.arange(4096, dtype=np.int64), "cuda")

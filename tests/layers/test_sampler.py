@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from cvllm.layers.sampler import Sampler, SamplingTensors, _argmax_rows, apply_penalties
+from cvllm.layers.sampler import Sampler, _argmax_rows, apply_penalties
+from cvllm.layers.sampling_tensors import SamplingTensors
 
 V = 16
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()

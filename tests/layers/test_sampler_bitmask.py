@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from cvllm.layers.sampler import Sampler, unpack_bitmask
+from cvllm.layers.sampler import Sampler
+from cvllm.layers.sampling_tensors import unpack_bitmask
 from tests.layers import test_sampler as base
 from tests.layers.test_sampler import DEVICES, random_logits
 

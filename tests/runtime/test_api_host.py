@@ -12,7 +12,8 @@ import socket
 
 import pytest
 
-from cvllm.runtime.api_host import ApiHost, make_hello
+from cvllm.runtime.api_host import ApiHost
+from cvllm.runtime.api_launch import make_hello
 from cvllm.sampling_params import SamplingParams, StructuredOutputs
 from cvllm.server.remote_engine import EngineDeadError, EngineRequestError, RemoteEngine
 from tests.engine.test_async_engine import CountingRunner, _engine, _wait, tokenizer  # noqa: F401
@@ -156,7 +157,7 @@ def test_a_tokenizer_that_cannot_travel_is_refused_before_anything_starts(tokeni
     ``TokenizerStaysError`` (``cvllm serve`` then serves from one process)."""
     from types import SimpleNamespace
 
-    from cvllm.runtime.api_host import PROBE_TEXT, TokenizerStaysError, export_tokenizer
+    from cvllm.runtime.api_launch import PROBE_TEXT, TokenizerStaysError, export_tokenizer
 
     info = export_tokenizer(tokenizer, str(tmp_path / "ok"))
     assert info["probe_ids"] == tokenizer.encode(PROBE_TEXT)

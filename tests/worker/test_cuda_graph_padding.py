@@ -19,9 +19,9 @@ from cvllm.attention.specs import FullAttentionSpec, MLASpec, SlidingWindowSpec
 from cvllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cvllm.core.sampling_batch import build_sampling_batch
 from cvllm.core.kv_cache_manager import KVCacheManager
-from cvllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import build_step_input
+from cvllm.core.step_builder import build_step_input
 from cvllm.layers.attention import Attention
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker import cuda_graph as cg

@@ -14,8 +14,8 @@ import torch
 
 from cvllm.attention.kv_cache import KVCache
 from cvllm.core.kv_cache_manager import KVCacheManager
-from cvllm.core.scheduler import SchedulerOutput
-from cvllm.core.step_input import build_step_input
+from cvllm.core.scheduler_output import SchedulerOutput
+from cvllm.core.step_builder import build_step_input
 from cvllm.layers.attention import split_at_attention
 from cvllm.worker import mixed_graph as mg
 from cvllm.worker import model_runner as mr

@@ -19,9 +19,10 @@ from cvllm.config import (
     SchedulerConfig,
 )
 from cvllm.core.kv_cache_manager import KVCacheManager
-from cvllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from cvllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from cvllm.core.sequence import Sequence
-from cvllm.core.step_input import StepInputError, build_step_input
+from cvllm.core.step_builder import build_step_input
+from cvllm.core.wire_format import StepInputError
 from cvllm.layers.attention import Attention
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker import model_runner as mr

@@ -62,19 +62,9 @@ class DeepSeekBlock(BlockReader):
                 return self.status_of(end, final)
             self.pos, self.phase = after, _AFTER_SEP
         elif phase == _AFTER_SEP:
-            if at == len(text):
-                return self.status_of(NEED, final)
-            if text[at] != "{":
-                self.phase = _V3_NAME
-                return None
-            self.phase = _ARGS
-            return self._announce(self.head, at)
+            return self._after_separator(text, at, final)
         elif phase == _V3_NAME:
-            end, _, name = read_name(text, at, ("\n", FENCE, "{"), final)
-            if end < 0:
-                return self.status_of(end, final)
-            self.phase = _V3_FENCE
-            return self._announce(name, end)
+            return self._v3_name(text, at, final)
         elif phase == _V3_FENCE:
             return self._fence_open(text, at, final)
         elif phase == _ARGS:
@@ -90,6 +80,24 @@ class DeepSeekBlock(BlockReader):
                 return self.status_of(after, final)
             self.pos, self.phase = after, _LIST
         return None
+
+    def _after_separator(self, text: str, at: int, final: bool) -> Optional[BlockProgress]:
+        """An object after the separator is V3.1's arguments (the head was the name);
+        anything else is V3's name, after its ``function`` head."""
+        if at == len(text):
+            return self.status_of(NEED, final)
+        if text[at] != "{":
+            self.phase = _V3_NAME
+            return None
+        self.phase = _ARGS
+        return self._announce(self.head, at)
+
+    def _v3_name(self, text: str, at: int, final: bool) -> Optional[BlockProgress]:
+        end, _, name = read_name(text, at, ("\n", FENCE, "{"), final)
+        if end < 0:
+            return self.status_of(end, final)
+        self.phase = _V3_FENCE
+        return self._announce(name, end)
 
     def _arguments(self, text: str, at: int, final: bool) -> Optional[BlockProgress]:
         if self.args is None:
