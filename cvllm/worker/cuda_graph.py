@@ -45,7 +45,8 @@ import torch
 from cvllm.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
 from cvllm.core.block_manager import cdiv
-from cvllm.core.step_input import StepInput, StepInputError
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import StepInputError
 from cvllm.distributed import comm, custom_allreduce
 from cvllm.kernels import pdl
 

@@ -189,7 +189,8 @@ def warm_up_prefill(model: torch.nn.Module, specs: Sequence[LayerCacheSpec], blo
 def _profile_sampler(logits: torch.Tensor, device: torch.device) -> None:
     """A sampler pass over ``logits [S, V]`` with penalties, a structured-output mask on
     every row, top-k/p, min-p and logprobs: every intermediate a real step may hold."""
-    from cvllm.layers.sampler import Sampler, SamplingTensors
+    from cvllm.layers.sampler import Sampler
+    from cvllm.layers.sampling_tensors import SamplingTensors
 
     S, V = logits.shape
     hist = [[1, 2, 3]] * S

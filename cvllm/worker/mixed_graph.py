@@ -42,7 +42,8 @@ import torch
 
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.core.block_manager import cdiv
-from cvllm.core.step_input import StepInput, StepInputError
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import StepInputError
 from cvllm.distributed import custom_allreduce
 from cvllm.kernels import pdl
 from cvllm.layers.attention import Attention, split_at_attention

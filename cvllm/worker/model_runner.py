@@ -43,11 +43,13 @@ from cvllm.config import EngineConfig
 from cvllm.core.kv_cache_manager import KVCacheLayout
 from cvllm.distributed import parallel_state
 from cvllm.core.sampling_batch import SamplingBatch
-from cvllm.core.step_input import StepInput, StepInputError
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import StepInputError
 from cvllm.kernels.transfer import to_device
 from cvllm.layers.attention import require_capabilities
 from cvllm.layers.layernorm import pair_norm_outputs
-from cvllm.layers.sampler import Sampler, SamplingTensors
+from cvllm.layers.sampler import Sampler
+from cvllm.layers.sampling_tensors import SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
 from cvllm.models.registry import get_model_class
 from cvllm.quantization.summary import format_summary, weight_summary

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from cvllm.core.step_input import MessageKind, StepInput, StepInputError
+from cvllm.core.step_input import StepInput
+from cvllm.core.wire_format import MessageKind, StepInputError
 
 logger = logging.getLogger("cvllm.worker")
 
