@@ -39,6 +39,7 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
     from cvllm.kernels import paged_attention as pa
     from cvllm.kernels import pdl, rmsnorm
     from cvllm.kernels.quant import ggml_cuda
+    from cvllm.utils import tuning
 
     model = engine.runner.model
 
@@ -69,20 +70,20 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
         "no_rotary_kv": lambda: p(tb, "rotary_write_kv", lambda *a, **k: None),
         "no_attention": lambda: p(pa, "decode_attention", attn_off),
         "no_merge": lambda: p(pa, "merge_attention_partials", lambda a, b, out: out),
-        "fused_merge": lambda: p(pa, "FUSED_MERGE", True),
+        "fused_merge": lambda: tuning.configure(fused_merge=True),
         "one_split": lambda: p(pa, "_decode_plan", direct_plan),
         "no_q8": lambda: p(ggml_cuda, "quantize_q8", q8_off),
-        "no_split_gemv": lambda: p(ggml_cuda, "I8_SPLIT", False),
+        "no_split_gemv": lambda: tuning.configure(ggml_i8_split=False),
         "no_lm_head": lambda: p(model, "compute_logits", logits_off),
     }
-    # where the small PDL kernels trigger their dependents (kernels/pdl.py, EARLY):
+    # where the small PDL kernels trigger their dependents (kernels/pdl.py, CVLLM_PDL_EARLY):
     # early_none, early_all, early_qkv, early_qkv+rope, ...
     for combo in ("none", "all", "qkv", "qkv+q8", "qkv+rope", "qkv+mlp", "qkv+norm",
                   "qkv+act", "qkv+attn", "qkv+q8+norm", "qkv+norm+act", "qkv+q8+norm+act",
                   "qkv+q8+norm+rope", "qkv+q8+norm+attn", "qkv+q8+rope+norm+attn"):
         sites = frozenset() if combo == "none" else frozenset(pdl.SITES) if combo == "all" \
             else frozenset(combo.split("+"))
-        single["early_" + combo] = functools.partial(p, pdl, "EARLY", sites)
+        single["early_" + combo] = functools.partial(tuning.configure, pdl_early=sites)
 
     @contextlib.contextmanager
     def gemv_only():

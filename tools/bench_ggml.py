@@ -127,7 +127,7 @@ GEMV_I8_WIDE = [(bn, bk, warps, False, split)
 I8_WIDE = False
 PREQUANT = None
 """``--prequant on|off``: the int8 GEMV's x rounded by its own kernel first (as the model's
-gated down projection is) or by each program; None: as planned (``ggml_cuda.PREQUANT_X``)."""
+gated down projection is) or by each program; None: as planned (``CVLLM_GGML_Q8_X``)."""
 PATHS = None
 """``--paths``: sweep only these paths."""
 GATED = False

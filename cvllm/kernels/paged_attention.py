@@ -52,7 +52,6 @@ score scale, ``v_scale`` into the normalised output (attention is linear in V).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -62,6 +61,7 @@ import triton.language as tl
 from cvllm.kernels import pdl
 from cvllm.kernels.jit import jit_per_step
 from cvllm.kernels.pdl import gdc_enter, gdc_launch_dependents, gdc_wait
+from cvllm.utils import tuning
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -72,16 +72,6 @@ _MIN_SPLIT_TOKENS = 64
 on an H100, docs/benchmarks/kernels-h100.json: 64-key splits beat 32, 128 and 256 at
 every context from 128 to 2048 keys)."""
 _MAX_SPLITS = 64
-FUSED_MERGE = os.environ.get("CVLLM_FUSED_MERGE", "1") != "0"
-"""Whether the splits that hold keys merge inside the decode kernel (``_merge_active``)
-by default; ``CVLLM_FUSED_MERGE=0``: the separate merge kernel. Batch 1 on an H200 (32
-query / 8 KV heads, splits planned for 2,048 keys as in a CUDA graph): 5.7, 6.5, 6.9 and
-8.4 us a layer at 128, 512, 1,024 and 2,048 keys (docs/benchmarks/kernels-decode-fused2-
-h200.json) against 7.0, 7.3, 9.2 and 9.2 with the separate merge on the same kind of
-machine (kernels-decode-fused-h200.json); in an 8B Q4_K step's graph the merge kernel's
-77 us went with it (ablate2-q4k-h200.json). The first fused version, one program merging
-its group's heads and every planned split one at a time, was slower than the second
-launch (11.5 against 5.9 us at 128 keys, H100; 2.18 against 1.96 ms for the H200 step)."""
 _STAGES = 2
 """Software-pipelining depth of the K/V loads in the decode and prefill loops."""
 _SMEM_BUDGET = 128 * 1024
@@ -457,7 +447,7 @@ def decode_attention(
     fused_merge: Optional[bool] = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> ``out [B, H, D]``.
-    ``fused_merge`` (default ``FUSED_MERGE``) merges the splits in the decode kernel
+    ``fused_merge`` (default ``CVLLM_FUSED_MERGE``, ``utils/tuning.py``) merges the splits in the decode kernel
     instead of a second kernel.
 
     ``max_seq_len`` must bound ``seq_lens`` (read from the device when None, which syncs):
@@ -481,7 +471,7 @@ def decode_attention(
     direct = num_splits == 1
     part_out = part_lse = out  # unused placeholders when direct
     tickets = seq_lens  # unused placeholder unless the merge is fused
-    fused = FUSED_MERGE if fused_merge is None else bool(fused_merge)
+    fused = tuning.current().fused_merge if fused_merge is None else bool(fused_merge)
     if not direct:
         part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)

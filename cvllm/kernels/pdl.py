@@ -25,7 +25,7 @@ when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms 
 171 us of a 2,644 us graph replay when launched without it).
 
 Some of those small kernels trigger at entry instead, before their own wait
-(``early_trigger``, the sites in ``EARLY``): the RMSNorm before a QKV projection (and
+(``early_trigger``, the sites of ``CVLLM_PDL_EARLY``): the RMSNorm before a QKV projection (and
 the final one, before the LM head) and the int8 rounding before the down projection.
 Their GEMV's programs then become resident and read their first weight tiles while the
 GEMV before the small kernel is still finishing, not only once it has: an 8B Q4_K
@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.utils import tuning
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     HAVE_GDC = True
@@ -71,7 +73,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton 
 
 @functools.lru_cache(maxsize=None)
 def _device_ok(device_index: int) -> bool:
-    if os.environ.get("CVLLM_PDL", "1").strip() == "0" or torch.version.hip is not None:
+    if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -79,43 +81,27 @@ def _device_ok(device_index: int) -> bool:
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device use PDL: an NVIDIA device of compute capability
     9+ (griddepcontrol), a Triton that has it, not the interpreter, and ``CVLLM_PDL`` not
-    0 (read once per process)."""
-    if not x.is_cuda or not HAVE_GDC or _INTERPRETED:
+    0 (``utils/tuning.py``)."""
+    if not x.is_cuda or not HAVE_GDC or _INTERPRETED or not tuning.current().pdl:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())
 
 
-SITES = ("qkv", "mlp", "norm", "rope", "q8", "act", "attn")
-"""The small PDL kernels that may trigger their dependents at entry (``early_trigger``):
-the RMSNorm before the attention's QKV projection (``qkv``), before the MLP's gate_up
-(``mlp``), any other RMSNorm (``norm``), the rotary + K/V write (``rope``), the int8
-rounding of the gated activation (``q8``), the gated activation (``act``), the decode
-attention (``attn``)."""
-
-
-def _sites(text: str) -> frozenset:
-    names = frozenset(t.strip() for t in text.split(",") if t.strip())
-    bad = names - set(SITES) - {"0"}
-    if bad:
-        raise ValueError(f"CVLLM_PDL_EARLY names unknown sites {sorted(bad)}; known: "
-                         f"{', '.join(SITES)} (or 0: none)")
-    return names - {"0"}
-
-
-EARLY = _sites(os.environ.get("CVLLM_PDL_EARLY", "qkv,q8,norm"))
-"""The sites (``SITES``) whose kernels trigger early; ``CVLLM_PDL_EARLY`` (a comma list,
-or 0 for none), read once. The default from the H200 sweep of ``tools/bench_ablate.py``
-(``early_*`` variants)."""
+SITES = tuning.PDL_SITES
+"""The small PDL kernels that may trigger their dependents at entry (``early_trigger``);
+which of them do is ``CVLLM_PDL_EARLY`` (``utils/tuning.py``; default ``qkv,q8,norm``, from
+the H200 sweep of ``tools/bench_ablate.py``'s ``early_*`` variants, docs/kernels.md)."""
 
 
 def early_trigger(x: torch.Tensor, site: str) -> bool:
     """Whether the small PDL kernel at ``site`` on ``x``'s device triggers its dependents
-    at entry (``EARLY``) instead of after its own ``gdc_wait`` (see the module docstring):
+    at entry (``CVLLM_PDL_EARLY``) instead of after its own ``gdc_wait`` (see the module
+    docstring):
     safe for any follower, whose ``gdc_wait`` returns only once this kernel has
     completed, which it does only after its own wait; the one kernel that waits on
     nothing (the pushed all-reduce) follows a GEMV, never one of these."""
-    return site in EARLY and enabled(x)
+    return site in tuning.current().pdl_early and enabled(x)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from cvllm.kernels.quant.ggml_types import QUANTIZED_TYPES, GgmlType, block_shape
+from cvllm.utils import tuning
 from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -471,13 +472,8 @@ def test_plans_cover_the_sms_and_split_small_grids():
         (28672, 4096), (128256, 4096), (4096, 4096), (6144, 4096))] == ["gemv_i8"] * 4
     assert choose_path(1, q4k, shape=(4096, 14336), num_sms=132) == "gemv_i8"
     assert choose_path(1, q6k, exact=True, shape=(128256, 4096), num_sms=132) == "gemv"
-    from cvllm.kernels.quant import ggml_cuda as gc
-
-    try:
-        gc.INT8_GEMV = False
+    with tuning.configure(ggml_int8_gemv=False):
         assert choose_path(1, q4k) == "gemv"
-    finally:
-        gc.INT8_GEMV = True
 
 
 def test_int8_gemv_plans_and_splits():
@@ -505,13 +501,10 @@ def test_int8_gemv_plans_and_splits():
         with pytest.raises(ValueError):
             gc.i8_config(bad, 4096, 4096, 132, False, 4)
     # CVLLM_GGML_I8_SPLIT=0: the plan before the split
-    try:
-        gc.I8_SPLIT = False
+    with tuning.configure(ggml_i8_split=False):
         assert gc.plan_gemv_i8(6144, 4096, 132) == (8, 2048, 4, False, 1)
         assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 4096, 4, False, 1)
         assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (8, 2048, 4, False, 1)
-    finally:
-        gc.I8_SPLIT = True
     assert gc._prequant(1) and not gc._prequant(0)
 
 

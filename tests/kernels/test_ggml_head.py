@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cvllm.utils import tuning
 from tests.interpreted import run_interpreted
 from tests.kernels.test_ggml_cuda import assert_close_rms, random_raw
 
@@ -77,11 +78,8 @@ def check_head(t_name: str, n: int, k: int, device: str, dtype: torch.dtype) -> 
     x2 = torch.randn(2, k, generator=g).to(dtype).to(device)
     assert not gh.takes_int8_head(x2, w)
     assert torch.equal(gh.head_linear(x2, w), gc.linear(x2, w))
-    gh.INT8_HEAD = False
-    try:
+    with tuning.configure(ggml_int8_head=False):
         assert torch.equal(gh.head_linear(x, w, bias), gc.linear(x, w, bias))
-    finally:
-        gh.INT8_HEAD = True
 
 
 def run_cpu_cases() -> None:

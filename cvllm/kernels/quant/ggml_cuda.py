@@ -69,6 +69,7 @@ from cvllm.kernels.quant.backend import GgmlBackend
 from cvllm.kernels.quant.ggml_pack import SPECS, PackSpec, repack
 from cvllm.kernels.quant.ggml_types import GgmlType, block_shape
 from cvllm.kernels.quant.q8form import attached_q8, quantize_q8
+from cvllm.utils import tuning
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
@@ -86,23 +87,6 @@ there, as at 64)."""
 MAX_K = 1 << 20
 SEM_ROWS = 4
 """Fewest rows a program of the split-K int8 GEMV takes (``CudaGgmlWeight.sem``)."""
-INT8_GEMV = os.environ.get("CVLLM_GGML_INT8_GEMV", "1").strip() != "0"
-"""Batch-1 products of Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K round the activations to int8
-(``gemv_i8``); ``CVLLM_GGML_INT8_GEMV=0`` keeps them in float32 (the ``gemv`` path), read
-once."""
-I8_SPLIT = os.environ.get("CVLLM_GGML_I8_SPLIT", "1").strip() != "0"
-"""The int8 GEMV may split K over several programs where its row blocks alone leave the
-SMs short of work (``plan_gemv_i8``); ``CVLLM_GGML_I8_SPLIT=0``: never."""
-PREQUANT_X = os.environ.get("CVLLM_GGML_Q8_X", "gated").strip().lower()
-"""Which ``gemv_i8`` inputs are rounded to int8 by a kernel of their own
-(``ggml_kernels.ggml_q8_kernel``) before the GEMV, instead of by every GEMV program:
-``gated`` (default: a gate_up row, whose activation that kernel then applies once), ``all``
-or ``0``; the same bits either way. H100, Q4_K, 8B shapes, one graph per figure (launch
-gaps included): the down projection with its activation 20.4 us rounded in the GEMV,
-17.0 us rounded first (8-row programs, 2048-element steps); a plain row gains nothing
-from the extra kernel (qkv 7.6 -> 8.0, o_proj 5.0 -> 6.4, gate_up 29.8 -> 28.7 us)."""
-if PREQUANT_X not in ("gated", "all", "0"):
-    raise ValueError(f"CVLLM_GGML_Q8_X must be gated, all or 0; got {PREQUANT_X!r}")
 _MAGIC = 0x4B000000
 """The exponent bits of ``2**23``, passed as a run-time argument: a literal would let ptxas
 put it in LOP3's immediate slot and re-create the per-field mask before every LOP3."""
@@ -435,7 +419,7 @@ def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int 
     the K step: the same words a program holds."""
     programs = triton.cdiv(n, 16)
     bn, bk, warps, prefetch, split = 16, 4096, 4, False, 1
-    if not I8_SPLIT:
+    if not tuning.current().ggml_i8_split:
         if prequant or 2 * num_sms < programs < 8 * num_sms:
             bn, bk = 8, 2048
         elif programs >= 8 * num_sms:
@@ -476,7 +460,8 @@ def i8_config(config: Optional[tuple], n: int, k: int, num_sms: int, prequant: b
 
 
 def _prequant(act: int) -> bool:
-    return PREQUANT_X == "all" or (PREQUANT_X == "gated" and act != 0)
+    mode = tuning.current().ggml_q8_x
+    return mode == "all" or (mode == "gated" and act != 0)
 
 
 def _launch_gemv_i8_q6(x2: torch.Tensor, w: CudaGgmlWeight, bias, y: torch.Tensor,
@@ -616,7 +601,7 @@ def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False,
     docstring) and, when known, ``shape`` ``(N, K)`` on a GPU of ``num_sms`` SMs: a Q6_K
     weight whose int8 plan splits K more than in two keeps the float GEMV
     (``q6k_takes_int8``)."""
-    if m == 1 and spec is not None and INT8_GEMV and not exact and takes_int8_gemv(spec):
+    if m == 1 and spec is not None and tuning.current().ggml_int8_gemv and not exact and takes_int8_gemv(spec):
         if shape is None or not _is_q6k(spec) or q6k_takes_int8(*shape, num_sms):
             return "gemv_i8"
     if m <= GEMV_MAX_M:
@@ -649,7 +634,7 @@ def linear(x: torch.Tensor, w: CudaGgmlWeight, bias: Optional[torch.Tensor] = No
     Q4_1 / Q4_K / Q8_0. ``act`` (a key of ``kernels/activation.ACTIVATIONS``): x is a gate_up
     output ``[.., 2K]`` and the product is with ``act(gate) * up``, applied by the kernel
     (``gemv_i8`` only: ``gated_fusable``). ``prequant``: on ``gemv_i8``, round x in its own
-    kernel first (default: ``PREQUANT_X``'s choice); an x that carries its int8 form
+    kernel first (default: ``CVLLM_GGML_Q8_X``'s choice); an x that carries its int8 form
     (``attach_q8``: an RMSNorm's output) is not rounded again."""
     _check_inputs(x, w, bias, gated=act is not None)
     n, k = w.shape

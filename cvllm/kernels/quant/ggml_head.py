@@ -21,7 +21,6 @@ it is ``ggml_cuda.linear``: the exact float path.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -29,10 +28,8 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels.quant import ggml_cuda as gc
+from cvllm.utils import tuning
 
-INT8_HEAD = os.environ.get("CVLLM_GGML_INT8_HEAD", "1").strip() != "0"
-"""Whether an exact weight (an LM head) takes ``head_linear``'s int8 GEMV at one row;
-``CVLLM_GGML_INT8_HEAD=0``: the float GEMV, read once."""
 REFINE = 16
 """Logits a row recomputed exactly (a power of two; the CPU backend's ``REFINE_TOP``)."""
 _BLOCK = 2048
@@ -126,7 +123,7 @@ def takes_int8_head(x: torch.Tensor, w: gc.CudaGgmlWeight) -> bool:
     """Whether ``head_linear`` takes the int8 GEMV for ``x``: one row of a type (and, for
     Q6_K, a shape) the int8 GEMV takes, with at least ``REFINE`` output rows."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (INT8_HEAD and rows == 1 and w.shape[0] >= REFINE
+    return (tuning.current().ggml_int8_head and rows == 1 and w.shape[0] >= REFINE
             and gc.choose_path(1, w.spec, False, w.shape, gc._sms(x)) == "gemv_i8")
 
 
