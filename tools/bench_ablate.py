@@ -37,6 +37,7 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
     """Name -> a context manager that patches the launchers for that variant."""
     from cvllm.attention.backends import triton_backend as tb
     from cvllm.kernels import paged_attention as pa
+    from cvllm.kernels.paged_attention import decode as pd
     from cvllm.kernels import pdl, rmsnorm
     from cvllm.kernels.quant import ggml_cuda
     from cvllm.utils import tuning
@@ -63,15 +64,15 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
 
         return torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
 
-    _orig_plan = pa._decode_plan
+    _orig_plan = pd._decode_plan
     p = mock.patch.object
     single = {
         "no_norm": lambda: p(rmsnorm, "rms_norm", norm_off),
         "no_rotary_kv": lambda: p(tb, "rotary_write_kv", lambda *a, **k: None),
         "no_attention": lambda: p(pa, "decode_attention", attn_off),
-        "no_merge": lambda: p(pa, "merge_attention_partials", lambda a, b, out: out),
+        "no_merge": lambda: p(pd, "merge_attention_partials", lambda a, b, out: out),
         "fused_merge": lambda: tuning.configure(fused_merge=True),
-        "one_split": lambda: p(pa, "_decode_plan", direct_plan),
+        "one_split": lambda: p(pd, "_decode_plan", direct_plan),
         "no_q8": lambda: p(ggml_cuda, "quantize_q8", q8_off),
         "no_split_gemv": lambda: tuning.configure(ggml_i8_split=False),
         "no_lm_head": lambda: p(model, "compute_logits", logits_off),

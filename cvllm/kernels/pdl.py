@@ -18,7 +18,7 @@ completed.
 The attention kernels of a decode step are launched with PDL too, but wait first thing:
 the fused rotary + K/V-cache write (``kernels/rotary.rotary_write_kv``, after the QKV
 GEMV), the decode kernel after it and the split merge after that
-(``kernels/paged_attention.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
+(``kernels/paged_attention/decode.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
 gated activation (``kernels/activation.py``). They have nothing to load before their
 inputs, so what they gain is their launch: each one's programs are already resident
 when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms cost
