@@ -278,7 +278,7 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xg = x
             if GATED and m == 1:  # a gate_up row whose act(gate) * up is the product's x
-                from cvllm.kernels.reference import act_and_mul_ref
+                from cvllm.kernels.reference.linear import act_and_mul_ref
 
                 xg = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
                 x = act_and_mul_ref(xg, "silu")

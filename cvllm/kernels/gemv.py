@@ -2,7 +2,7 @@
 
 Called by ``quantization/unquantized.UnquantizedLinearMethod`` (``apply``, and
 ``apply_fused`` for the fusions below) and the LM head for a single CUDA row in a 16-bit
-dtype (batch-1 decode); ``kernels/reference.gemv_ref`` is the plain-torch version and the
+dtype (batch-1 decode); ``kernels/reference/linear.gemv_ref`` is the plain-torch version and the
 test oracle (tests/kernels/test_gemv.py, also run on the CPU under
 ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
 

@@ -1,7 +1,7 @@
 """RMSNorm with an optional fused residual add, one row per Triton program (Triton).
 
 Called by ``layers/layernorm.RMSNorm`` / ``GemmaRMSNorm`` on CUDA tensors;
-``kernels/reference.rms_norm_ref`` is the plain-torch version and the test oracle
+``kernels/reference/norms.rms_norm_ref`` is the plain-torch version and the test oracle
 (tests/kernels/test_rmsnorm.py, also run on the CPU under ``TRITON_INTERPRET=1``).
 Nothing here keeps state between calls.
 

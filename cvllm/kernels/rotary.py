@@ -1,7 +1,7 @@
 """Rotary position embedding applied in place to q and k (Triton).
 
 Called by ``layers/rotary.RotaryEmbedding.forward`` on CUDA tensors;
-``kernels/reference.rotary_embedding_ref`` is the plain-torch version and the test oracle
+``kernels/reference/rotary.rotary_embedding_ref`` is the plain-torch version and the test oracle
 (tests/kernels/test_rotary.py, also run on the CPU under ``TRITON_INTERPRET=1``). Nothing
 here keeps state; the cos/sin cache is owned by the rotary layer.
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from cvllm.attention.specs import StateSpec
 from cvllm.distributed import parallel_state
-from cvllm.kernels.reference import l2norm_ref
+from cvllm.kernels.reference.deltanet import l2norm_ref
 from cvllm.layers.utils import (as_tensor, copy_checked, default_weight_loader, divide,
                                 split_sizes)
 from cvllm.quantization.base import set_weight_attrs

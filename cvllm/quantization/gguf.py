@@ -410,7 +410,7 @@ class GGUFMoEMethod(MoEMethodBase):
         """``hidden [T, H]`` -> ``[T, H]``: the experts that received tokens, one at a time,
         each dequantized for its matmul (the reference path; a fused quantized MoE kernel is
         not written yet)."""
-        from cvllm.kernels.reference import moe_act_and_mul, sort_tokens_by_expert
+        from cvllm.kernels.reference.fused_moe import moe_act_and_mul, sort_tokens_by_expert
 
         T, K = topk_ids.shape
         order, counts = sort_tokens_by_expert(topk_ids, layer.num_experts)

@@ -135,7 +135,7 @@ class UnquantizedMoEMethod(MoEMethodBase):
 
             return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              activation)
-        from cvllm.kernels.reference import fused_moe_ref
+        from cvllm.kernels.reference.fused_moe import fused_moe_ref
 
         return fused_moe_ref(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              activation)

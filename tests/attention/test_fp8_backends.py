@@ -28,7 +28,7 @@ from cvllm.attention.kv_cache import (
     reset_kv_scales,
 )
 from cvllm.attention.metadata import AttentionMetadata
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import paged_attention as ref
 from tests.interpreted import run_interpreted
 
 FP8 = torch.float8_e4m3fn

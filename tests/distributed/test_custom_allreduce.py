@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from cvllm.distributed import custom_allreduce
 from cvllm.distributed.launch_env import find_free_port_pair
 from cvllm.utils import tuning
-from cvllm.kernels.reference import all_reduce_ref, all_reduce_rms_norm_ref
+from cvllm.kernels.reference.norms import all_reduce_ref, all_reduce_rms_norm_ref
 from tests.kernels.test_allreduce import EPS, run_cases
 
 

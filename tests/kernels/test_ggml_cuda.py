@@ -180,7 +180,7 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
     to int8 as ``gemv_i8`` rounds it, for each tile config (None: planned); through the
     backend too, which declines two rows."""
     from cvllm.kernels.quant import ggml_cuda as gc
-    from cvllm.kernels.reference import act_and_mul_ref
+    from cvllm.kernels.reference.linear import act_and_mul_ref
 
     k = w.shape[1]
     group = gc.i8_group(w.spec)

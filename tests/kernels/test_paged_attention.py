@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import paged_attention as ref
 from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()

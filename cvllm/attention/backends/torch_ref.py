@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from cvllm.attention.kv_cache import calibrate_kv_scale, kv_scales
 from cvllm.attention.metadata import AttentionMetadata
-from cvllm.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+from cvllm.kernels.reference.paged_attention import dequantize_kv_ref, quantize_kv_ref
 
 MAX_ELEMS = 1 << 26
 """Float32 elements (scores + gathered K/V) one group may materialise: 256 MiB."""

@@ -6,7 +6,7 @@ decode and prefill share and their tile plans, ``checks`` the host-side input ch
 Called by ``attention/backends/triton_backend.py`` once per layer per step (through the
 names below) and ``kernels/rotary.rotary_write_kv`` (the write fused with the rotary
 embedding); the torch oracles, in the same calling conventions, are in
-``kernels/reference/attention.py`` (tests: tests/kernels/test_paged_attention.py and
+``kernels/reference/paged_attention.py`` (tests: tests/kernels/test_paged_attention.py and
 test_paged_attention_fp8.py, also run on the CPU under ``TRITON_INTERPRET=1``). Caches are
 owned by the worker; nothing here keeps state but the decode's split counters.
 """

@@ -1,8 +1,8 @@
 """Paged decode attention (Triton): one query token per sequence over its paged context.
 
 Called by ``attention/backends/triton_backend.py`` for the decodes of a step (inside the
-decode CUDA graphs too); reference: ``kernels/reference/attention.decode_attention_ref``.
-Layout and FP8 scales: ``common``.
+decode CUDA graphs too); reference: ``decode_attention_ref`` in ``kernels/reference/
+paged_attention.py``. Layout and FP8 scales: ``common``.
 
 - ``_decode_kernel``: one program per (sequence, KV head, split). The G = H / Hkv query
   heads that share a KV head are the rows of one ``tl.dot`` tile (padded to 16), so each

@@ -3,7 +3,7 @@ at their slots, cast to the cache dtype (FP8: ``clamp(x / scale, +-448)``).
 
 Called by ``attention/backends/triton_backend.py`` where the rotary embedding is not
 fused with it (``kernels/rotary.rotary_write_kv`` is, and shares ``to_e4m3_grid``);
-reference: ``kernels/reference/attention.write_kv_ref``. ``_write_kv_kernel`` is one
+reference: ``kernels/reference/paged_attention.write_kv_ref``. ``_write_kv_kernel`` is one
 program per token (x a tile of KV heads); slot < 0 (padding) writes nothing, so it can
 run over a padded batch. Layout: ``common``.
 """

@@ -2,10 +2,11 @@
 queries, causal over its paged context, which already holds this step's keys.
 
 Called by ``attention/backends/triton_backend.py`` for the prefill (and mixed) part of a
-step, eagerly; reference: ``kernels/reference/attention.prefill_attention_ref``. Layout
-and FP8 scales: ``common``. ``_prefill_kernel`` is one program per (BLOCK_M queries,
-query head, sequence), online softmax over BLOCK_N-key tiles gathered through the block
-table, ``tl.dot`` for QK^T and PV with float32 accumulation.
+step, eagerly; reference: ``prefill_attention_ref`` in ``kernels/reference/
+paged_attention.py``. Layout and FP8 scales: ``common``. ``_prefill_kernel`` is one
+program per (BLOCK_M queries, query head, sequence), online softmax over BLOCK_N-key
+tiles gathered through the block table, ``tl.dot`` for QK^T and PV with float32
+accumulation.
 """
 
 from __future__ import annotations
