@@ -97,9 +97,9 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
 
 def plan_variant(name: str) -> Callable[[], contextlib.AbstractContextManager]:
     """``plan:NxK=BN/BK/WARPS/PREFETCH/SPLIT[;NxK=..]``: the int8 GEMV of those weight
-    shapes (``N x K``) tiled as given instead of as planned (``ggml_cuda.plan_gemv_i8``;
+    shapes (``N x K``) tiled as given instead of as planned (``ggml_plan.plan_gemv_i8``;
     BK in elements, as the plan returns it)."""
-    from cvllm.kernels.quant import ggml_cuda
+    from cvllm.kernels.quant import ggml_plan
 
     if not name.startswith("plan:"):
         raise SystemExit(f"unknown variant {name!r}")
@@ -109,12 +109,12 @@ def plan_variant(name: str) -> Callable[[], contextlib.AbstractContextManager]:
         n, k = (int(v) for v in shape.split("x"))
         bn, bk, warps, prefetch, split = (int(v) for v in cfg.split("/"))
         table[(n, k)] = (bn, bk, warps, bool(prefetch), split)
-    orig = ggml_cuda.plan_gemv_i8
+    orig = ggml_plan.plan_gemv_i8
 
     def plan(n, k, num_sms, prequant=False, wps=4):
         return table.get((n, k)) or orig(n, k, num_sms, prequant, wps)
 
-    return lambda: mock.patch.object(ggml_cuda, "plan_gemv_i8", plan)
+    return lambda: mock.patch.object(ggml_plan, "plan_gemv_i8", plan)
 
 
 def replay_us(engine, patch, reps: int, rounds: int) -> float:

@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels.device import INTERPRETED
 from cvllm.utils import tuning
 
 try:
@@ -68,7 +68,6 @@ except ImportError:  # an older Triton: no PDL (kernels only name these under PD
     HAVE_GDC = False
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +81,7 @@ def enabled(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device use PDL: an NVIDIA device of compute capability
     9+ (griddepcontrol), a Triton that has it, not the interpreter, and ``CVLLM_PDL`` not
     0 (``utils/tuning.py``)."""
-    if not x.is_cuda or not HAVE_GDC or _INTERPRETED or not tuning.current().pdl:
+    if not x.is_cuda or not HAVE_GDC or INTERPRETED or not tuning.current().pdl:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())

@@ -33,9 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from cvllm.kernels.quant.backend import (
-    GgmlBackend, GgmlWeight, RawWeight, ReferenceBackend, backend_for,
-)
+from cvllm.kernels.quant.backend import GgmlBackend, GgmlWeight, RawWeight, ReferenceBackend
+from cvllm.kernels.quant.dispatch import backend_for
 from cvllm.kernels.quant.ggml_types import (
     FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, block_shape, parse_isq,
 )

@@ -1,6 +1,6 @@
 """CPU kernels of GGUF (GGML) block-quantized linears, kept quantized in memory.
 
-Built by the GGUF quantization method through ``backend.backend_for`` once per weight after
+Built by the GGUF quantization method through ``dispatch.backend_for`` once per weight after
 loading (``prepare``), then called every step (``linear``, ``embedding``). Stateless apart
 from the weights it prepares; the same on every rank.
 
@@ -50,10 +50,10 @@ import torch.nn.functional as F
 
 from cvllm.kernels.quant.backend import GgmlBackend, GgmlWeight
 from cvllm.kernels.quant.ggml_types import QK_K, QUANTIZED_TYPES, GgmlType, block_shape
-from cvllm.kernels.quant.reference import (
-    IQ4_LEVELS, _f16, _fields, _k_scale_min, _q3_k_scales, _q5_low_high, _signed,
-    dequantize as _ref_dequantize,
+from cvllm.kernels.quant.ggml_fields import (
+    IQ4_LEVELS, f16, fields, k_scale_min, q3_k_scales, q5_low_high, signed,
 )
+from cvllm.kernels.quant.reference import dequantize as _ref_dequantize
 
 GROUP = 32
 """Inputs per (scale, zero) pair: every supported type has 32-element (sub-)blocks."""
@@ -138,79 +138,79 @@ def _int_levels(device: torch.device) -> torch.Tensor:
 
 
 def _int_q4_0(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 2:18], 4).reshape(-1, 32).int()  # [R, 32]
-    return [(q - 8, _f16(b, 0), None, -8, 7)]
+    q = fields(b[:, 2:18], 4).reshape(-1, 32).int()  # [R, 32]
+    return [(q - 8, f16(b, 0), None, -8, 7)]
 
 
 def _int_q4_1(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 4:20], 4).reshape(-1, 32).int()  # [R, 32]
-    return [(q, _f16(b, 0), _f16(b, 2), 0, 15)]
+    q = fields(b[:, 4:20], 4).reshape(-1, 32).int()  # [R, 32]
+    return [(q, f16(b, 0), f16(b, 2), 0, 15)]
 
 
 def _int_q5_0(b: torch.Tensor) -> List[Term]:
-    q = _q5_low_high(b[:, 6:22], b[:, 2:6]).int()  # [R, 32]
-    return [(q - 16, _f16(b, 0), None, -16, 15)]
+    q = q5_low_high(b[:, 6:22], b[:, 2:6]).int()  # [R, 32]
+    return [(q - 16, f16(b, 0), None, -16, 15)]
 
 
 def _int_q5_1(b: torch.Tensor) -> List[Term]:
-    q = _q5_low_high(b[:, 8:24], b[:, 4:8]).int()  # [R, 32]
-    return [(q, _f16(b, 0), _f16(b, 2), 0, 31)]
+    q = q5_low_high(b[:, 8:24], b[:, 4:8]).int()  # [R, 32]
+    return [(q, f16(b, 0), f16(b, 2), 0, 31)]
 
 
 def _int_q8_0(b: torch.Tensor) -> List[Term]:
-    return [(_signed(b[:, 2:34]).int(), _f16(b, 0), None, -128, 127)]
+    return [(signed(b[:, 2:34]).int(), f16(b, 0), None, -128, 127)]
 
 
 def _int_iq4_nl(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 2:18], 4).reshape(-1, 32).long()  # [R, 32]
-    return [(_int_levels(b.device)[q], _f16(b, 0), None, -127, 113)]
+    q = fields(b[:, 2:18], 4).reshape(-1, 32).long()  # [R, 32]
+    return [(_int_levels(b.device)[q], f16(b, 0), None, -127, 113)]
 
 
 def _int_q4_k(b: torch.Tensor) -> List[Term]:
-    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
-    q = _fields(b[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, QK_K).int()  # [R, 256]
-    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
-    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
+    sc, mn = k_scale_min(b[:, 4:16])  # [R, 8, 1] each
+    q = fields(b[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, QK_K).int()  # [R, 256]
+    s = (f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
+    z = -(f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
     return [(q, s, z, 0, 15)]
 
 
 def _int_q5_k(b: torch.Tensor) -> List[Term]:
-    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
-    low = _fields(b[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)  # [R, 8, 32]
-    high = _fields(b[:, 16:48], 1)  # [R, 8, 32]
+    sc, mn = k_scale_min(b[:, 4:16])  # [R, 8, 1] each
+    low = fields(b[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)  # [R, 8, 32]
+    high = fields(b[:, 16:48], 1)  # [R, 8, 32]
     q = (low | (high << 4)).reshape(-1, QK_K).int()  # [R, 256]
-    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
-    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
+    s = (f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
+    z = -(f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
     return [(q, s, z, 0, 31)]
 
 
 def _int_iq4_xs(b: torch.Tensor) -> List[Term]:
-    low = _fields(b[:, 4:8], 4).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
-    high = _fields(b[:, 2:4], 2).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
-    s = _f16(b, 0) * ((low | (high << 4)).float() - 32)  # [R, 8]
-    q = _fields(b[:, 8:136].reshape(-1, 8, 16), 4).reshape(-1, QK_K).long()  # [R, 256]
+    low = fields(b[:, 4:8], 4).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
+    high = fields(b[:, 2:4], 2).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
+    s = f16(b, 0) * ((low | (high << 4)).float() - 32)  # [R, 8]
+    q = fields(b[:, 8:136].reshape(-1, 8, 16), 4).reshape(-1, QK_K).long()  # [R, 256]
     return [(_int_levels(b.device)[q], s, None, -127, 113)]
 
 
 def _int_q3_k(b: torch.Tensor) -> List[Term]:
     # The 16-element sub-blocks' 6-bit scales are folded into the codes, leaving one f16
     # scale per 256; negated because (sc - 32) * q spans [-124, 128], one past int8.
-    sc = _q3_k_scales(b[:, 96:108]).unsqueeze(-1)  # [R, 16, 1]
-    low = _fields(b[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # [R, 16, 16]
-    high = _fields(b[:, 0:32], 1).reshape(-1, 16, 16)  # [R, 16, 16]
+    sc = q3_k_scales(b[:, 96:108]).unsqueeze(-1)  # [R, 16, 1]
+    low = fields(b[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # [R, 16, 16]
+    high = fields(b[:, 0:32], 1).reshape(-1, 16, 16)  # [R, 16, 16]
     q = low.int() - ((high ^ 1).int() << 2)  # [R, 16, 16]
     c = -(sc * q).reshape(-1, QK_K)  # [R, 256]
-    return [(c, -_f16(b, 108).expand(-1, 8), None, -128, 124)]
+    return [(c, -f16(b, 108).expand(-1, 8), None, -128, 124)]
 
 
 def _int_q2_k(b: torch.Tensor) -> List[Term]:
     # (d * sc) * q - dmin * m per 16 elements: sc * q is an integer (0..45) under one
     # scale d, and the mins m become a third plane of their own under -dmin.
     sc = b[:, 0:16].int().unsqueeze(-1)  # [R, 16, 1]
-    q = _fields(b[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16).int()  # [R, 16, 16]
+    q = fields(b[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16).int()  # [R, 16, 16]
     c = ((sc & 0xF) * q).reshape(-1, QK_K)  # [R, 256]
     m = (sc >> 4).expand(-1, 16, 16).reshape(-1, QK_K)  # [R, 256]
-    d, dmin = _f16(b, 80).expand(-1, 8), _f16(b, 82).expand(-1, 8)  # [R, 8]
+    d, dmin = f16(b, 80).expand(-1, 8), f16(b, 82).expand(-1, 8)  # [R, 8]
     return [(c, d, None, 0, 45), (m, -dmin, None, 0, 15)]
 
 

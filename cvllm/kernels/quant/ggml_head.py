@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels.device import sms_of
 from cvllm.kernels.quant import ggml_cuda as gc
+from cvllm.kernels.quant.ggml_plan import choose_path
 from cvllm.utils import tuning
 
 REFINE = 16
@@ -124,7 +126,7 @@ def takes_int8_head(x: torch.Tensor, w: gc.CudaGgmlWeight) -> bool:
     Q6_K, a shape) the int8 GEMV takes, with at least ``REFINE`` output rows."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     return (tuning.current().ggml_int8_head and rows == 1 and w.shape[0] >= REFINE
-            and gc.choose_path(1, w.spec, False, w.shape, gc._sms(x)) == "gemv_i8")
+            and choose_path(1, w.spec, False, w.shape, sms_of(x)) == "gemv_i8")
 
 
 def head_linear(x: torch.Tensor, w: gc.CudaGgmlWeight,
@@ -139,5 +141,5 @@ def head_linear(x: torch.Tensor, w: gc.CudaGgmlWeight,
     idx = topk_rows(y2)  # [1, R]
     # the float GEMV again, on those rows only, at the whole head's tiles: the values the
     # exact path gives them, bit for bit
-    gc._launch_gemv(x.reshape(1, -1), w, bias, y2, None, ids=idx.view(-1))
+    gc.launch_gemv(x.reshape(1, -1), w, bias, y2, None, ids=idx.view(-1))
     return y
