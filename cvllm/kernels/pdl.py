@@ -120,30 +120,28 @@ _GRAPH_LAUNCHES = threading.local()
 
 
 @contextlib.contextmanager
+def _launches_as_in_graphs(on: bool):
+    before = getattr(_GRAPH_LAUNCHES, "on", False)
+    _GRAPH_LAUNCHES.on = on
+    try:
+        yield
+    finally:
+        _GRAPH_LAUNCHES.on = before
+
+
 def graph_launches():
     """Within: launches take ``launch_pdl`` as during a CUDA-graph capture. The decode
     graphs' pre-capture warm-up forward runs inside it: ``launch_pdl`` is one of Triton's
     compile options, so a warm-up launched without it would compile the other variant and
     leave every PDL kernel to compile inside the capture."""
-    before = getattr(_GRAPH_LAUNCHES, "on", False)
-    _GRAPH_LAUNCHES.on = True
-    try:
-        yield
-    finally:
-        _GRAPH_LAUNCHES.on = before
+    return _launches_as_in_graphs(True)
 
 
-@contextlib.contextmanager
 def eager_launches():
     """Within: launches take no ``launch_pdl`` even inside ``graph_launches``: the
     attention launched eagerly between the captured pieces of a mixed step
     (``worker/mixed_graph.py``) in its warm-up forward, as it will be at every replay."""
-    before = getattr(_GRAPH_LAUNCHES, "on", False)
-    _GRAPH_LAUNCHES.on = False
-    try:
-        yield
-    finally:
-        _GRAPH_LAUNCHES.on = before
+    return _launches_as_in_graphs(False)
 
 
 def launch_args(x: torch.Tensor) -> dict:
