@@ -2,7 +2,8 @@
 
 Called by ``quantization/unquantized.UnquantizedMoEMethod`` on CUDA;
 ``kernels/reference/fused_moe.fused_moe_ref`` is the plain-torch version and the test
-oracle (tests/kernels/test_fused_moe.py, also run on the CPU under ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
+oracle (tests/kernels/test_fused_moe.py, also run on the CPU under
+``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
 
 The design follows vLLM's fused_moe, written independently:
 

@@ -21,20 +21,16 @@ GEMV), the decode kernel after it and the split merge after that
 (``kernels/paged_attention/decode.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
 gated activation (``kernels/activation.py``). They have nothing to load before their
 inputs, so what they gain is their launch: each one's programs are already resident
-when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms cost
-171 us of a 2,644 us graph replay when launched without it).
+when the kernel before it finishes (the measurements: docs/kernels.md).
 
 Some of those small kernels trigger at entry instead, before their own wait
 (``early_trigger``, the sites of ``CVLLM_PDL_EARLY``): the RMSNorm before a QKV projection (and
 the final one, before the LM head) and the int8 rounding before the down projection.
 Their GEMV's programs then become resident and read their first weight tiles while the
-GEMV before the small kernel is still finishing, not only once it has: an 8B Q4_K
-batch-1 step on an H200 replays in 1,748 us against 1,830 with every trigger after its
-wait (docs/benchmarks/ablate-early-q4k-h200.json; bf16 3,848 against 3,872 us,
-ablate-early-bf16-h200.json). Only where the next GEMV's programs fit on the SMs in one
-wave: before gate_up (many waves) the early programs only sat on SM slots (+20 us); the
-rotary kernel's early trigger (the attention's programs resident during the QKV GEMV)
-cost 29 us and the attention's own (o_proj's) 10.
+GEMV before the small kernel is still finishing, not only once it has (``CVLLM_PDL_EARLY``,
+docs/kernels.md). Only where the next GEMV's programs fit on the SMs in one wave: before
+gate_up (many waves) the early programs only sit on SM slots, and the rotary kernel's and
+the attention's early triggers cost more than they gained.
 
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
 kernel writes (weights, constants, step inputs copied in before the step's first kernel)
@@ -150,11 +146,10 @@ def launch_args(x: torch.Tensor) -> dict:
     CUDA graph is being captured (every decode step; ``graph_launches``). Launched eagerly
     (prefill and mixed steps), a PDL kernel held the host until the GPU had caught up, so
     the host's launches and the GPU's kernels ran one after the other instead of side by
-    side: on an H100, an eager 8B step of a 3-token prefill took 33-45 ms with PDL
-    launches and 18-21 ms without. ``launch_pdl`` is a Triton compile option: a kernel
-    has one compiled variant for the graphs and one for eager steps (the start-up warm-up
-    compiles the eager ones); launched without it, ``gdc_wait`` and
-    ``gdc_launch_dependents`` do nothing."""
+    side (an eager step took about twice as long; docs/kernels.md). ``launch_pdl`` is a
+    Triton compile option: a kernel has one compiled variant for the graphs and one for
+    eager steps (the start-up warm-up compiles the eager ones); launched without it,
+    ``gdc_wait`` and ``gdc_launch_dependents`` do nothing."""
     if enabled(x) and (getattr(_GRAPH_LAUNCHES, "on", False)
                        or torch.cuda.is_current_stream_capturing()):
         return {"launch_pdl": True}

@@ -53,25 +53,16 @@ out once, and there ``prepare`` keeps GGUF's bytes for ``dequantize`` / ``embedd
 
 DEQUANT_MIN_M = 128
 """From this many rows of ``x`` (prefill), dequantizing the weight (to bf16 on CPUs with
-AMX, float32 on others: ``dequant_dtype``; about 2.5 ns an element on one core) and
-calling ``F.linear`` (oneDNN) beats the int4 kernel,
-whose time grows with every 4 rows because it decodes the weight again for each 4-row
-tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 planes
-(one thread, 3072 x 576: int4 at 256 rows 9.9 ms, dequantize 4.6 ms + F.linear 0.8 ms)."""
+AMX, float32 on others: ``dequant_dtype``) and calling ``F.linear`` (oneDNN) beats the
+int4 kernel, whose time grows with every 4 rows because it decodes the weight again for
+each 4-row tile (measured crossover about 120 rows: docs/kernels.md)."""
 
 BATCH_COPY_FROM_M = {"amx": 3, "avx512_bf16": 8}
 """Rows of ``x`` from which a weight of two or more planes multiplies its bf16 copy, by
-the CPU's bf16 matmul (``bf16_matmul_isa``). AMX: measured at 2 threads on the 2-core AMX
-VM (torch 2.13), weights hot in cache: two planes of 3072 x 576 take 108 / 156 us at
-2 / 4 rows against 113 / 116 us for bf16. In a whole decode step, where weights stream
-from memory (about 11 GB/s here), the bf16 copy of a one-plane type reads 3.2x the bytes
-of its plane and gains nothing at 16 rows (default model: 324 against 328 tok/s), so
-those keep none; the Q8_0 LM head of the default model takes 3.9 ms a step with its copy
-against 10.9 ms as two planes. AVX-512 BF16 without AMX (2-vCPU AMD EPYC, 2026-11-29):
-the LM head (49152 x 576, two planes) 3.0 / 6.0 / 11.4 ms at 4 / 8 / 16 rows against
-3.7 / 4.3 / 5.6 ms from its bf16 copy; the default model at 16 streams, three rounds
-alternating: 311.5 / 262.0 / 286.7 tok/s with the copy against 278.7 / 244.5 / 248.1
-without, and copies of the one-plane layers too gained nothing (280.1 / 238.0 / 238.1)."""
+the CPU's bf16 matmul (``bf16_matmul_isa``): where the copy measured faster than the
+planes, per ISA (docs/kernels.md). One-plane types keep no copy: in a whole decode step,
+weights streaming from memory, the copy reads 3.2x the bytes of the plane and gained
+nothing."""
 
 _PREP_ROWS = 8192
 """Rows converted at once in ``prepare``: bounds the int32 code buffer (the LM head's
@@ -131,8 +122,8 @@ def bf16_matmul_isa() -> Optional[str]:
 
 def batch_copy_pays() -> bool:
     """Whether this CPU multiplies bf16 fast (``bf16_matmul_isa``), where a bf16 copy of a
-    two-plane weight multiplies a decode batch faster than the int4 kernel (AMX, 16 rows,
-    3072 x 576: 119 against 311 us; ``BATCH_COPY_FROM_M``). Elsewhere the bf16 matmul runs
+    two-plane weight multiplies a decode batch faster than the int4 kernel
+    (``BATCH_COPY_FROM_M``). Elsewhere the bf16 matmul runs
     on float32 FMAs at about the int4 kernel's speed, so a copy would cost memory for
     nothing."""
     return bf16_matmul_isa() is not None
@@ -147,13 +138,9 @@ def batch_copy_from_m() -> int:
 def dequant_dtype() -> torch.dtype:
     """What a prefill-sized ``x`` (``DEQUANT_MIN_M`` rows) and the weight dequantized for it
     are multiplied in: bf16 where AMX tiles multiply it (``bf16_matmul_isa``), else
-    float32. Without AMX or AVX-512 BF16 a bf16 matmul runs 3-4x slower than float32
-    (2-core Xeon without either, torch 2.13, 128 x 576 by 3072 x 576: bf16 7.6 ms, float32
-    2.1 ms), and the weight dequantized to bf16 then cost the default model 0.87 s of
-    matmuls a 128-token step. With AVX-512 BF16 alone (2-vCPU AMD EPYC, 2026-11-29) that
-    product took 1.31 ms in bf16 against 3.04 ms in float32, but a 1,890-token prefill of
-    the default model took the same either way (4.6 / 5.2 / 4.8 s against 5.3 / 5.2 /
-    4.5 s, alternating), so float32 stays there."""
+    float32. Without AMX or AVX-512 BF16 a bf16 matmul runs 3-4x slower than float32; with
+    AVX-512 BF16 alone the product is faster in bf16 but a whole prefill took the same
+    either way, so float32 stays there (docs/kernels.md)."""
     return torch.bfloat16 if bf16_matmul_isa() == "amx" else torch.float32
 
 

@@ -1,14 +1,15 @@
 """The LM head of a GGUF model at one row on CUDA: the int8 GEMV with its largest logits
 recomputed exactly.
 
-An LM head is the largest single weight of a decode step (an 8B model's Q6_K head: 431 MB
-of 4.9 GB) and the float GEMV it took at one row (``ggml_cuda``'s ``exact`` weights) is
-held by its own arithmetic (H200: 180 us, 2.4 TB/s), where the int8 GEMV streams it in
-about 128 us. The int8 GEMV rounds x per 16 or 32 elements, which moves each logit by a
-little; so, as the CPU backend does for its narrower products (``quantization/gguf.py``,
-``REFINE_TOP``), each row's ``REFINE`` largest logits are then recomputed without the
-rounding and written over the rounded ones: greedy choices and the top log-probabilities
-see the exact head, the rest of the distribution the int8 one.
+An LM head is the largest single weight of a decode step (an 8B model's Q6_K head:
+431 MB of 4.9 GB) and the float GEMV it took at one row (``ggml_cuda``'s ``exact``
+weights) is held by its own arithmetic, where the int8 GEMV streams it (about 1.4x faster
+on an H200; docs/kernels.md, ``CVLLM_GGML_INT8_HEAD``). The int8 GEMV rounds x per 16
+or 32 elements, which moves each logit by a little; so, as the CPU backend does for its
+narrower products (``quantization/gguf.py``, ``REFINE_TOP``), each row's ``REFINE``
+largest logits are then recomputed without the rounding and written over the rounded
+ones: greedy choices and the top log-probabilities see the exact head, the rest of the
+distribution the int8 one.
 
 ``head_linear`` does that in four launches, all graph-safe (fixed shapes): the int8 GEMV,
 ``topk_rows`` (two Triton kernels: each program's ``REFINE`` largest of its 2,048

@@ -42,15 +42,11 @@ from cvllm.utils import tuning
 
 GEMV_MAX_M = 2
 """Most rows the FMA GEMV takes; more go to the tensor-core kernel (the GEMV's FMAs grow
-with the rows, the tensor-core kernel decodes each weight element once for up to 16).
-H100, Q4_K at 2 rows: the GEMV 9.2 / 14.4 / 53.6 / 31.8 us for o_proj / qkv / gate_up /
-down against 17-22 / 87 / 52 us for the tensor-core kernel's best."""
+with the rows, the tensor-core kernel decodes each weight element once for up to 16;
+H100 at 2 rows: docs/kernels.md)."""
 DENSE_MIN_M = 129
-"""Fewest rows that take the dequantize + cuBLAS path. H100 at 256 rows: dense 34 / 53 /
-227 / 124 us against the tensor-core kernel's best 43 / 72 / 246 / 191 us for Q4_K
-(o_proj / qkv / gate_up / down), likewise for Q6_K; Q8_0 within 15% either way. At 64 rows
-the tensor-core kernel wins by 1.3-2x; 128 was not measured (it decodes each weight once
-there, as at 64)."""
+"""Fewest rows that take the dequantize + cuBLAS path (faster from 256 rows on an H100,
+slower at 64; docs/kernels.md)."""
 SEM_ROWS = 4
 """Fewest rows a program of the split-K int8 GEMV takes (``CudaGgmlWeight.sem``)."""
 
@@ -87,16 +83,8 @@ _GEMV_TILES = {  # class -> (BN at M = 1, BN at M = 2, BK, prefetch)
     "q4": (8, 16, 4096, False), "q6": (8, 16, 2048, True), "q4h": (8, 4, 2048, True),
     "q8": (8, 8, 2048, False), "q2": (8, 4, 2048, False),
 }
-"""The H100 sweep (tools/bench_ggml.py, 8B shapes; Triton 3.6): Q4_K's best at M = 1 was
-(8, 4096) at every shape and (16, 4096) at M = 2; Q6_K's (8, 2048) with the next K step
-prefetched (8-20% faster than one 4096 step), (16, 2048) at M = 2; Q8_0's (8, 2048) at
-M = 1 and 2. Two exceptions at M = 1, from a second H100 sweep: Q4_K halves its K step
-where the grid runs past one wave of 4096-element programs (about 4 an SM) but fits in one
-of 2048 (qkv, N = 6144: 7.9 us against 9.1); Q6_K takes 1024-element steps and 2 warps
-where the grid is many waves deep (the LM head, N = 128256: 187 us against 204). The
-others follow their class (checked only for register spills in the
-sm_90 compile: Q5_* and IQ4_* take BN 4 at M = 2, Q6_K's 16 spills for them; the 2-bit
-types spill past BN 8 at 4096-element steps)."""
+"""The H100 sweep's best tiles of each class (tools/bench_ggml.py, 8B shapes); the other
+types follow their class, checked for register spills (docs/kernels.md)."""
 
 
 def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
@@ -125,31 +113,21 @@ def plan_gemv(m: int, n: int, k: int, spec: PackSpec, num_sms: int
 def plan_mm(m: int, n: int, k: int, spec: PackSpec, num_sms: int, wgmma: bool = True
             ) -> Tuple[int, int, int, int, int, int, int, bool]:
     """``(BM, BN, BK, num_warps, num_stages, GROUP_M, SPLIT, SWAP)`` of the tensor-core
-    kernel; ``wgmma``: the GPU has Hopper's wgmma (``has_wgmma``).
+    kernel; ``wgmma``: the GPU has Hopper's wgmma (``ggml_cuda.has_wgmma``).
 
-    With wgmma, from the H200 sweep over the 8B shapes (Q4_K; tools/bench_ggml.py
-    ``--sweep``, docs/benchmarks/ggml-mm-variants-h200.json): up to 32 rows and from 65 a
-    64-row weight tile, 16 or 32 x rows with 4 warps and 256-element K steps (128 for 32
-    rows unsplit), 128 x rows with 8 warps and 128-element steps, K split in 2, 4, .. until
-    the tiles fill the SMs; on it the transposed product (``SWAP``: the decoded weight as
-    wgmma's register A operand). A Q4_K layer's four products against the mma.sync plan:
-    176.6 -> 138.1 us at 16 rows, 245.4 -> 158.9 at 32, 380.0 -> 277.7 at 128 (bf16 cuBLAS
-    121.6 / 124.3 / 140.8); every type measured gained at 16 and 32 rows (IQ4_XS's gate_up
-    even), but at 128 the types with the heavier tiles (Q8_0's 8-bit words, a high plane:
-    Q5_*, Q6_K) were 5-11% faster on the same tiles unswapped
-    (docs/benchmarks/ggml-swap-h200.json, ``swap_flipped_us``), so they keep them.
-
-    Without wgmma (and at 33-64 rows with it) the earlier plan, from an H100 sweep (Q4_K,
-    Q6_K, Q8_0): up to 16 rows a 16-row tile 64 wide, K split 4 ways; up to 32 rows the
-    same with 32; up to 64 rows 64x64 with K split 4 ways while the tiles leave SMs idle,
-    else 64x128 unsplit (2-bit types: 64 wide, Triton 3.6's dot-operand pass crashes on
-    their 128-wide tile); more rows 128x64. Q4_K at up to 64 rows: 64-element K steps
-    where the 64x128 tiles fit two an SM (gate_up: 97 us against 105), and for a long K
-    (down, K = 14336) 256-element steps split 2 ways (64 against 70). With wgmma, since
-    the scales load asynchronously (``PackSpec.dd`` / ``scm``; H200 sweep,
-    docs/benchmarks/ggml-dd-h200.json): gate_up 128-element steps (69.2 us against 85.4
-    for 64), down 64x128 tiles of 64-element steps split 8 ways, transposed (42.0 against
-    47.5 unswapped with 128-element steps). A split keeps at least two K steps."""
+    With wgmma (the H200 sweep, docs/kernels.md): up to 32 rows and from 65 a 64-row
+    weight tile, 16 or 32 x rows with 4 warps and 256-element K steps (128 for 32 rows
+    unsplit), 128 x rows with 8 warps and 128-element steps, K split in 2, 4, .. until the
+    tiles fill the SMs, on the transposed product (``SWAP``: the decoded weight as wgmma's
+    register A operand), except at 128 rows for the heavier tiles (Q8_0, Q5_*, Q6_K: faster
+    unswapped). Without wgmma (and at 33-64 rows with it) the earlier H100 plan: up to 16
+    rows a 16-row tile 64 wide, K split 4 ways; up to 32 rows the same with 32; up to 64
+    rows 64x64 with K split 4 ways while the tiles leave SMs idle, else 64x128 unsplit
+    (2-bit types: 64 wide, Triton 3.6's dot-operand pass crashes on their 128-wide tile);
+    more rows 128x64. Q4_K at up to 64 rows: 64-element K steps where the 64x128 tiles fit
+    two an SM (gate_up), and for a long K (down) 256-element steps split 2 ways; with
+    wgmma, gate_up 128-element steps and down 64x128 tiles of 64-element steps split 8
+    ways, transposed. A split keeps at least two K steps."""
     swap = False
     if wgmma and (m <= 32 or m > 64):
         heavy = spec.lb == 8 or (spec.lb == 4 and spec.hb > 0)  # Q8_0, Q5_*, Q6_K
@@ -217,23 +195,17 @@ def sub_words(spec: PackSpec) -> int:
 
 def plan_gemv_i8(n: int, k: int, num_sms: int, prequant: bool = False, wps: int = 4
                  ) -> Tuple[int, int, int, bool, int]:
-    """``(BN, BK, num_warps, prefetch, split)`` of ``ggml_gemv_i8_kernel``, from the H200
-    sweep with K split over programs (Q4_K, 8B shapes, 33 configs,
-    docs/benchmarks/ggml-split-h200.json): 16 rows and 2048-element K steps, unsplit,
-    where 16-row programs fill the SMs eight times over (gate_up, N = 28672: 20.0 us;
-    split 2 or 4: 23.2); the same steps split in two where they fill them two to eight
-    times (qkv, N = 6144: 5.96 us against 6.55 for the earlier 8 rows unsplit), at 32 rows
-    a program for the 4-bit types (5.71 against 6.03 us for 16 in the same run; 64 rows or
-    32 elsewhere were slower: docs/benchmarks/ggml-wide-h200.json); 16 rows
-    and 1024, split in four, for a long row of few programs (down, K = 14336: 11.9 us
-    against 14.1 for 16 rows of 4096, the best unsplit); else 16 rows of 4096 in one step
-    (o_proj, N = K = 4096: 4.47 us, no split faster). With x rounded beforehand
-    (``prequant``, the gated down projection) 4 rows, 2048-element steps and 2 warps,
-    prefetched (12.2 us with the rounding kernel, 13.1 for the earlier 8 rows of 4 warps,
-    13.4 for the best split). ``CVLLM_GGML_I8_SPLIT=0``: the plan before the split (H100
-    sweep: 8 rows of 2048 where programs fill the SMs two to eight times or x is rounded
-    beforehand, else as above unsplit). Q8_0 (``wps`` 8 words a sub-block) takes half
-    the K step: the same words a program holds."""
+    """``(BN, BK, num_warps, prefetch, split)`` of ``ggml_gemv_i8_kernel``, the H200
+    sweep's best with K split over programs (Q4_K, 8B shapes, docs/kernels.md): 16 rows
+    and 2048-element K steps, unsplit, where 16-row programs fill the SMs eight times over
+    (gate_up); the same steps split in two where they fill them two to eight times (qkv),
+    32 rows a program for the 4-bit types; 16 rows of 1024, split in four, for a long row
+    of few programs (down); else 16 rows of 4096 in one step (o_proj). With x rounded
+    beforehand (``prequant``, the gated down projection) 4 rows, 2048-element steps and 2
+    warps, prefetched. ``CVLLM_GGML_I8_SPLIT=0``: the H100 plan before the split (8 rows of
+    2048 where programs fill the SMs two to eight times or x is rounded beforehand, else
+    as above unsplit). Q8_0 (``wps`` 8 words a sub-block) takes half the K step: the same
+    words a program holds."""
     programs = cdiv(n, 16)
     bn, bk, warps, prefetch, split = 16, 4096, 4, False, 1
     if not tuning.current().ggml_i8_split:
@@ -339,8 +311,6 @@ def choose_path(m: int, spec: Optional[PackSpec] = None, exact: bool = False,
 
 def q6k_takes_int8(n: int, k: int, num_sms: int) -> bool:
     """Whether a Q6_K ``[n, k]`` weight takes the int8 GEMV at one row: where its plan
-    splits K in two at most. H200, the 8B shapes at Q6_K (``ggml-q6k-{i8,float}-h200.json``):
-    gate_up 32.5 against 44.8 us on the float GEMV, the LM head's shape 128 against 179,
-    o_proj 7.1 against 7.7, qkv 11.3 both; the down projection (K = 14336, split in four)
-    41.9 against 23.3."""
+    splits K in two at most (split in four, the 8B down projection, it was 1.8x slower
+    than the float GEMV on an H200; docs/kernels.md)."""
     return plan_gemv_i8(n, k, num_sms, False, 8)[4] <= 2
