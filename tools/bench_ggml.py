@@ -310,7 +310,6 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
 def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     """Every candidate path/config at this M: time and error, fastest first."""
     from cvllm.kernels.device import sms_of
-    from cvllm.kernels.quant import ggml_cuda as gc
     from cvllm.kernels.quant import ggml_plan as gp
 
     spec = ws[0].spec
