@@ -37,8 +37,10 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
     """Name -> a context manager that patches the launchers for that variant."""
     from cvllm.attention.backends import triton_backend as tb
     from cvllm.kernels import paged_attention as pa
+    from cvllm.kernels.paged_attention import decode as pd
     from cvllm.kernels import pdl, rmsnorm
     from cvllm.kernels.quant import ggml_cuda
+    from cvllm.utils import tuning
 
     model = engine.runner.model
 
@@ -62,27 +64,27 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
 
         return torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
 
-    _orig_plan = pa._decode_plan
+    _orig_plan = pd._decode_plan
     p = mock.patch.object
     single = {
         "no_norm": lambda: p(rmsnorm, "rms_norm", norm_off),
         "no_rotary_kv": lambda: p(tb, "rotary_write_kv", lambda *a, **k: None),
         "no_attention": lambda: p(pa, "decode_attention", attn_off),
-        "no_merge": lambda: p(pa, "merge_attention_partials", lambda a, b, out: out),
-        "fused_merge": lambda: p(pa, "FUSED_MERGE", True),
-        "one_split": lambda: p(pa, "_decode_plan", direct_plan),
+        "no_merge": lambda: p(pd, "merge_attention_partials", lambda a, b, out: out),
+        "fused_merge": lambda: tuning.configure(fused_merge=True),
+        "one_split": lambda: p(pd, "_decode_plan", direct_plan),
         "no_q8": lambda: p(ggml_cuda, "quantize_q8", q8_off),
-        "no_split_gemv": lambda: p(ggml_cuda, "I8_SPLIT", False),
+        "no_split_gemv": lambda: tuning.configure(ggml_i8_split=False),
         "no_lm_head": lambda: p(model, "compute_logits", logits_off),
     }
-    # where the small PDL kernels trigger their dependents (kernels/pdl.py, EARLY):
+    # where the small PDL kernels trigger their dependents (kernels/pdl.py, CVLLM_PDL_EARLY):
     # early_none, early_all, early_qkv, early_qkv+rope, ...
     for combo in ("none", "all", "qkv", "qkv+q8", "qkv+rope", "qkv+mlp", "qkv+norm",
                   "qkv+act", "qkv+attn", "qkv+q8+norm", "qkv+norm+act", "qkv+q8+norm+act",
                   "qkv+q8+norm+rope", "qkv+q8+norm+attn", "qkv+q8+rope+norm+attn"):
         sites = frozenset() if combo == "none" else frozenset(pdl.SITES) if combo == "all" \
             else frozenset(combo.split("+"))
-        single["early_" + combo] = functools.partial(p, pdl, "EARLY", sites)
+        single["early_" + combo] = functools.partial(tuning.configure, pdl_early=sites)
 
     @contextlib.contextmanager
     def gemv_only():
@@ -95,9 +97,9 @@ def _variants(engine) -> Dict[str, Callable[[], contextlib.AbstractContextManage
 
 def plan_variant(name: str) -> Callable[[], contextlib.AbstractContextManager]:
     """``plan:NxK=BN/BK/WARPS/PREFETCH/SPLIT[;NxK=..]``: the int8 GEMV of those weight
-    shapes (``N x K``) tiled as given instead of as planned (``ggml_cuda.plan_gemv_i8``;
+    shapes (``N x K``) tiled as given instead of as planned (``ggml_plan.plan_gemv_i8``;
     BK in elements, as the plan returns it)."""
-    from cvllm.kernels.quant import ggml_cuda
+    from cvllm.kernels.quant import ggml_plan
 
     if not name.startswith("plan:"):
         raise SystemExit(f"unknown variant {name!r}")
@@ -107,12 +109,12 @@ def plan_variant(name: str) -> Callable[[], contextlib.AbstractContextManager]:
         n, k = (int(v) for v in shape.split("x"))
         bn, bk, warps, prefetch, split = (int(v) for v in cfg.split("/"))
         table[(n, k)] = (bn, bk, warps, bool(prefetch), split)
-    orig = ggml_cuda.plan_gemv_i8
+    orig = ggml_plan.plan_gemv_i8
 
     def plan(n, k, num_sms, prequant=False, wps=4):
         return table.get((n, k)) or orig(n, k, num_sms, prequant, wps)
 
-    return lambda: mock.patch.object(ggml_cuda, "plan_gemv_i8", plan)
+    return lambda: mock.patch.object(ggml_plan, "plan_gemv_i8", plan)
 
 
 def replay_us(engine, patch, reps: int, rounds: int) -> float:

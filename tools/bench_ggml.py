@@ -127,7 +127,7 @@ GEMV_I8_WIDE = [(bn, bk, warps, False, split)
 I8_WIDE = False
 PREQUANT = None
 """``--prequant on|off``: the int8 GEMV's x rounded by its own kernel first (as the model's
-gated down projection is) or by each program; None: as planned (``ggml_cuda.PREQUANT_X``)."""
+gated down projection is) or by each program; None: as planned (``CVLLM_GGML_Q8_X``)."""
 PATHS = None
 """``--paths``: sweep only these paths."""
 GATED = False
@@ -261,7 +261,9 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
     import torch
     import torch.nn.functional as F
 
+    from cvllm.kernels.device import sms_of
     from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.quant import ggml_plan as gp
     from cvllm.kernels.quant.ggml_types import GgmlType
 
     t = GgmlType[tname]
@@ -278,20 +280,20 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xg = x
             if GATED and m == 1:  # a gate_up row whose act(gate) * up is the product's x
-                from cvllm.kernels.reference import act_and_mul_ref
+                from cvllm.kernels.reference.linear import act_and_mul_ref
 
                 xg = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
                 x = act_and_mul_ref(xg, "silu")
             flops = 2 * m * n * k
             row: Dict[str, Any] = {"type": tname, "shape": shape, "N": n, "K": k, "M": m,
-                                   "quant_bytes": qbytes, "path": gc.choose_path(m, probe.spec)}
+                                   "quant_bytes": qbytes, "path": gp.choose_path(m, probe.spec)}
             want = F.linear(x, gc.dequantize(probe, torch.bfloat16)).float()
             got = _call(xg, probe, prequant=PREQUANT).float()
             row["rel_err_vs_bf16_dense"] = ((got - want).norm() / want.norm()).item()
             t_ms = _ms([lambda w=w: _call(xg, w, prequant=PREQUANT) for w in ws], m)
             row.update(us=t_ms * 1e3, GBps=qbytes / t_ms / 1e6, TFLOPs=flops / t_ms / 1e9)
             if row["path"] == "mm":  # the planned tiles with the other product
-                plan = gc.mm_config(None, m, n, k, probe.spec, gc._sms(x), gc._has_wgmma(x))
+                plan = gp.mm_config(None, m, n, k, probe.spec, sms_of(x), gc.has_wgmma(x))
                 flip = plan[:7] + (not plan[7],)
                 f_ms = _ms([lambda w=w: gc.linear(x, w, path="mm", config=flip) for w in ws], m)
                 row.update(config=plan, swap_flipped_config=flip, swap_flipped_us=f_ms * 1e3)
@@ -307,12 +309,13 @@ def bench_type(tname: str, ms: List[int], shapes: List[str], sweep_shapes: List[
 
 def _sweep(x, ws, m: int, want) -> List[Dict[str, Any]]:
     """Every candidate path/config at this M: time and error, fastest first."""
-    from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.device import sms_of
+    from cvllm.kernels.quant import ggml_plan as gp
 
     spec = ws[0].spec
     n, k = ws[0].shape
-    cands = candidates(m, gc.takes_int8_gemv(spec), gc.i8_plan_wps(spec), n, k, spec.sb,
-                       gc._sms(x))
+    cands = candidates(m, gp.takes_int8_gemv(spec), gp.i8_plan_wps(spec), n, k, spec.sb,
+                       sms_of(x))
     out = []
     cands = [c for c in cands if (PATHS is None or c[0] in PATHS)
              and not (GATED and m == 1 and c[0] != "gemv_i8")]

@@ -80,7 +80,7 @@ def flat_read_kernel(p, out_ptr, n_words, BLOCK: tl.constexpr):
 
 def twin_grid(n: int, k: int, bn: int, bk: int, split: int):
     """``(programs, split, steps)``: the split as ``ggml_cuda.i8_config`` trims it."""
-    from cvllm.kernels.quant.ggml_cuda import i8_config
+    from cvllm.kernels.quant.ggml_plan import i8_config
 
     *_, split, steps = i8_config((bn, bk, 4, False, split), n, k, 1, False, 4)
     return triton.cdiv(n, bn) * split, split, steps

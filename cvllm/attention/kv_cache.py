@@ -65,7 +65,7 @@ from cvllm.attention.specs import (
 from cvllm.config import ConfigError
 from cvllm.core.block_manager import cdiv, max_live_blocks
 from cvllm.core.kv_cache_manager import KVCacheGroupConfig, KVCacheLayout
-from cvllm.kernels.reference import FP8_E4M3_MAX, FP8_KV_DTYPE
+from cvllm.kernels.reference.paged_attention import FP8_E4M3_MAX, FP8_KV_DTYPE
 
 FP8_KV_SCALE = 1.0
 """Scale of an FP8 cache before its calibration: cached = clamp(x / scale, +-448)."""

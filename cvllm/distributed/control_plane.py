@@ -29,7 +29,6 @@ uint8 tensors on a group of its own, async and polled the same way) and
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import zlib
@@ -42,6 +41,7 @@ from cvllm.core.wire_format import (
 )
 from cvllm.distributed.inprocess import InProcessGroup
 from cvllm.distributed.launch_env import LaunchEnv
+from cvllm.utils import tuning
 
 logger = logging.getLogger("cvllm.distributed")
 
@@ -63,17 +63,9 @@ BODY_HOT_S = 0.01
 
 
 def hot_window_s() -> float:
-    """``CVLLM_HOT_POLL_S`` (seconds >= 0), else ``HOT_WINDOW_S``."""
-    text = os.environ.get("CVLLM_HOT_POLL_S", "").strip()
-    if not text:
-        return HOT_WINDOW_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
-        raise ValueError(f"CVLLM_HOT_POLL_S={text!r}: expected seconds >= 0")
-    return value
+    """``CVLLM_HOT_POLL_S`` (seconds >= 0, ``utils/tuning.py``), else ``HOT_WINDOW_S``."""
+    value = tuning.current().hot_poll_s
+    return HOT_WINDOW_S if value is None else value
 
 
 class ControlPlaneError(RuntimeError):

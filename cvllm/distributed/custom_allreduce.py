@@ -35,22 +35,19 @@ choice depends only on the tensor's shape and dtype, which every rank shares.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional, Tuple
 
 import torch
 
 from cvllm.kernels import allreduce as ar
+from cvllm.utils import tuning
 
 logger = logging.getLogger("cvllm.distributed")
 
 MAX_BYTES = 1 << 20
 """Largest tensor that takes this path: decode all-reduces up to batch 128 of a 4096-wide
 model (larger ones are bandwidth-bound, where NCCL's ring is the better choice)."""
-CHOICES = ("auto", "custom", "nccl")
-PUSH_ENABLED = os.environ.get("CVLLM_GEMV_PUSH", "1").strip() != "0"
-"""Whether row-parallel batch-1 GEMVs push their rows for the reduction themselves
-(``push_target``); ``CVLLM_GEMV_PUSH=0`` keeps the separate push (for comparisons)."""
+CHOICES = tuning.ALLREDUCE_CHOICES
 _DTYPES = (torch.bfloat16, torch.float16)
 
 _ACTIVE: Optional["CustomAllReduce"] = None
@@ -105,7 +102,7 @@ class CustomAllReduce:
         (``kernels/gemv.py``), or None: this path declines it, or ``CVLLM_GEMV_PUSH=0``.
         The caller passes the GEMV's output to ``mark_pushed``; the next call on this
         object must then be the reduction of that output."""
-        if (not PUSH_ENABLED or self._pushed is not None or dtype not in _DTYPES
+        if (not tuning.current().gemv_push or self._pushed is not None or dtype not in _DTYPES
                 or not 0 < numel * dtype.itemsize <= self.slot_bytes):
             return None
         return ar.PushTarget(self.bufs, self.state, self.rank, self.world, self.slot_bytes)
@@ -160,11 +157,9 @@ def disable() -> None:
 
 def choice() -> str:
     """``CVLLM_ALLREDUCE``: auto (the custom path where it works, else NCCL; the default),
-    custom (the same, but a failure to set it up ends the start-up), nccl."""
-    value = os.environ.get("CVLLM_ALLREDUCE", "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"CVLLM_ALLREDUCE={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    custom (the same, but a failure to set it up ends the start-up), nccl
+    (``utils/tuning.py``)."""
+    return tuning.current().allreduce
 
 
 def _local_reason(group: Any, device: torch.device, world_size: int, single_node: bool) -> str:

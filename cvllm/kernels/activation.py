@@ -1,7 +1,7 @@
 """Gated activations ``act(gate) * up`` over a fused ``[T, 2I]`` gate_up projection (Triton).
 
 Called by ``layers/activation.SiluAndMul`` / ``GeluAndMul`` on CUDA tensors;
-``kernels/reference.act_and_mul_ref`` is the plain-torch version and the test oracle
+``kernels/reference/linear.act_and_mul_ref`` is the plain-torch version and the test oracle
 (tests/kernels/test_activation.py, also run on the CPU under ``TRITON_INTERPRET=1``).
 Nothing here keeps state between calls.
 

@@ -1,8 +1,9 @@
 """Fused mixture-of-experts: a grouped GEMM over token blocks sorted by expert (Triton).
 
-Called by ``quantization/unquantized.UnquantizedMoEMethod`` on CUDA; ``kernels/reference.fused_moe_ref`` is the
-plain-torch version and the test oracle (tests/kernels/test_fused_moe.py, also run on the
-CPU under ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
+Called by ``quantization/unquantized.UnquantizedMoEMethod`` on CUDA;
+``kernels/reference/fused_moe.fused_moe_ref`` is the plain-torch version and the test
+oracle (tests/kernels/test_fused_moe.py, also run on the CPU under
+``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
 
 The design follows vLLM's fused_moe, written independently:
 

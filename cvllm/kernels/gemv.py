@@ -2,7 +2,7 @@
 
 Called by ``quantization/unquantized.UnquantizedLinearMethod`` (``apply``, and
 ``apply_fused`` for the fusions below) and the LM head for a single CUDA row in a 16-bit
-dtype (batch-1 decode); ``kernels/reference.gemv_ref`` is the plain-torch version and the
+dtype (batch-1 decode); ``kernels/reference/linear.gemv_ref`` is the plain-torch version and the
 test oracle (tests/kernels/test_gemv.py, also run on the CPU under
 ``TRITON_INTERPRET=1``). Nothing here keeps state between calls.
 
@@ -35,7 +35,6 @@ to float32 summation order.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -44,7 +43,8 @@ import triton.language as tl
 
 from cvllm.kernels import pdl
 from cvllm.kernels.activation import ACTIVATIONS, activate
-from cvllm.kernels.allreduce import SENTINEL_BITS, PushTarget, push_slot
+from cvllm.kernels.allreduce import PushTarget, push_slot
+from cvllm.kernels.device import sms_of
 from cvllm.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -137,11 +137,6 @@ def _gemv_kernel(
         tl.store(y_ptr + offs_n, y, mask=nmask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan(n: int, k: int, num_sms: int) -> Tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[n, k]`` weight: 8192-element (16 KiB)
     weight tiles with 4 warps, as wide along K as the row allows: up to 2048 (the best
@@ -211,7 +206,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     if n == 0:
         return y
     if config is None:
-        sms = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 1
+        sms = sms_of(x)
         config = plan(n, k, sms)
     block_n, block_k, warps = config
     use_pdl = pdl.enabled(x)

@@ -1,6 +1,6 @@
 """``triton.jit`` for kernels whose arguments change from step to step.
 
-Used by the kernels that run eagerly in mixed prefill steps (``paged_attention.py``).
+Used by the kernels that run eagerly in mixed prefill steps (``paged_attention/``).
 Triton compiles one variant of a kernel per *specialization* of its arguments: each
 integer is classed as 1, a multiple of 16 or neither, and each pointer as 16-byte aligned
 or not. Values that follow the batch (a block table's width, a split count, a metadata

@@ -18,23 +18,19 @@ completed.
 The attention kernels of a decode step are launched with PDL too, but wait first thing:
 the fused rotary + K/V-cache write (``kernels/rotary.rotary_write_kv``, after the QKV
 GEMV), the decode kernel after it and the split merge after that
-(``kernels/paged_attention.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
+(``kernels/paged_attention/decode.py``); so are the RMSNorm (``kernels/rmsnorm.py``) and the
 gated activation (``kernels/activation.py``). They have nothing to load before their
 inputs, so what they gain is their launch: each one's programs are already resident
-when the kernel before it finishes (H100, batch-1 Q4_K 8B step: the 65 RMSNorms cost
-171 us of a 2,644 us graph replay when launched without it).
+when the kernel before it finishes (the measurements: docs/kernels.md).
 
 Some of those small kernels trigger at entry instead, before their own wait
-(``early_trigger``, the sites in ``EARLY``): the RMSNorm before a QKV projection (and
+(``early_trigger``, the sites of ``CVLLM_PDL_EARLY``): the RMSNorm before a QKV projection (and
 the final one, before the LM head) and the int8 rounding before the down projection.
 Their GEMV's programs then become resident and read their first weight tiles while the
-GEMV before the small kernel is still finishing, not only once it has: an 8B Q4_K
-batch-1 step on an H200 replays in 1,748 us against 1,830 with every trigger after its
-wait (docs/benchmarks/ablate-early-q4k-h200.json; bf16 3,848 against 3,872 us,
-ablate-early-bf16-h200.json). Only where the next GEMV's programs fit on the SMs in one
-wave: before gate_up (many waves) the early programs only sat on SM slots (+20 us); the
-rotary kernel's early trigger (the attention's programs resident during the QKV GEMV)
-cost 29 us and the attention's own (o_proj's) 10.
+GEMV before the small kernel is still finishing, not only once it has (``CVLLM_PDL_EARLY``,
+docs/kernels.md). Only where the next GEMV's programs fit on the SMs in one wave: before
+gate_up (many waves) the early programs only sit on SM slots, and the rotary kernel's and
+the attention's early triggers cost more than they gained.
 
 Rules a PDL-launched kernel keeps: before ``gdc_wait`` it reads only data no earlier
 kernel writes (weights, constants, step inputs copied in before the step's first kernel)
@@ -51,12 +47,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
+
+from cvllm.kernels.device import INTERPRETED
+from cvllm.utils import tuning
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -66,12 +64,11 @@ except ImportError:  # an older Triton: no PDL (kernels only name these under PD
     HAVE_GDC = False
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
 
 
 @functools.lru_cache(maxsize=None)
 def _device_ok(device_index: int) -> bool:
-    if os.environ.get("CVLLM_PDL", "1").strip() == "0" or torch.version.hip is not None:
+    if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -79,43 +76,27 @@ def _device_ok(device_index: int) -> bool:
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device use PDL: an NVIDIA device of compute capability
     9+ (griddepcontrol), a Triton that has it, not the interpreter, and ``CVLLM_PDL`` not
-    0 (read once per process)."""
-    if not x.is_cuda or not HAVE_GDC or _INTERPRETED:
+    0 (``utils/tuning.py``)."""
+    if not x.is_cuda or not HAVE_GDC or INTERPRETED or not tuning.current().pdl:
         return False
     return _device_ok(x.device.index if x.device.index is not None
                       else torch.cuda.current_device())
 
 
-SITES = ("qkv", "mlp", "norm", "rope", "q8", "act", "attn")
-"""The small PDL kernels that may trigger their dependents at entry (``early_trigger``):
-the RMSNorm before the attention's QKV projection (``qkv``), before the MLP's gate_up
-(``mlp``), any other RMSNorm (``norm``), the rotary + K/V write (``rope``), the int8
-rounding of the gated activation (``q8``), the gated activation (``act``), the decode
-attention (``attn``)."""
-
-
-def _sites(text: str) -> frozenset:
-    names = frozenset(t.strip() for t in text.split(",") if t.strip())
-    bad = names - set(SITES) - {"0"}
-    if bad:
-        raise ValueError(f"CVLLM_PDL_EARLY names unknown sites {sorted(bad)}; known: "
-                         f"{', '.join(SITES)} (or 0: none)")
-    return names - {"0"}
-
-
-EARLY = _sites(os.environ.get("CVLLM_PDL_EARLY", "qkv,q8,norm"))
-"""The sites (``SITES``) whose kernels trigger early; ``CVLLM_PDL_EARLY`` (a comma list,
-or 0 for none), read once. The default from the H200 sweep of ``tools/bench_ablate.py``
-(``early_*`` variants)."""
+SITES = tuning.PDL_SITES
+"""The small PDL kernels that may trigger their dependents at entry (``early_trigger``);
+which of them do is ``CVLLM_PDL_EARLY`` (``utils/tuning.py``; default ``qkv,q8,norm``, from
+the H200 sweep of ``tools/bench_ablate.py``'s ``early_*`` variants, docs/kernels.md)."""
 
 
 def early_trigger(x: torch.Tensor, site: str) -> bool:
     """Whether the small PDL kernel at ``site`` on ``x``'s device triggers its dependents
-    at entry (``EARLY``) instead of after its own ``gdc_wait`` (see the module docstring):
+    at entry (``CVLLM_PDL_EARLY``) instead of after its own ``gdc_wait`` (see the module
+    docstring):
     safe for any follower, whose ``gdc_wait`` returns only once this kernel has
     completed, which it does only after its own wait; the one kernel that waits on
     nothing (the pushed all-reduce) follows a GEMV, never one of these."""
-    return site in EARLY and enabled(x)
+    return site in tuning.current().pdl_early and enabled(x)
 
 
 @triton.jit
@@ -135,30 +116,28 @@ _GRAPH_LAUNCHES = threading.local()
 
 
 @contextlib.contextmanager
+def _launches_as_in_graphs(on: bool):
+    before = getattr(_GRAPH_LAUNCHES, "on", False)
+    _GRAPH_LAUNCHES.on = on
+    try:
+        yield
+    finally:
+        _GRAPH_LAUNCHES.on = before
+
+
 def graph_launches():
     """Within: launches take ``launch_pdl`` as during a CUDA-graph capture. The decode
     graphs' pre-capture warm-up forward runs inside it: ``launch_pdl`` is one of Triton's
     compile options, so a warm-up launched without it would compile the other variant and
     leave every PDL kernel to compile inside the capture."""
-    before = getattr(_GRAPH_LAUNCHES, "on", False)
-    _GRAPH_LAUNCHES.on = True
-    try:
-        yield
-    finally:
-        _GRAPH_LAUNCHES.on = before
+    return _launches_as_in_graphs(True)
 
 
-@contextlib.contextmanager
 def eager_launches():
     """Within: launches take no ``launch_pdl`` even inside ``graph_launches``: the
     attention launched eagerly between the captured pieces of a mixed step
     (``worker/mixed_graph.py``) in its warm-up forward, as it will be at every replay."""
-    before = getattr(_GRAPH_LAUNCHES, "on", False)
-    _GRAPH_LAUNCHES.on = False
-    try:
-        yield
-    finally:
-        _GRAPH_LAUNCHES.on = before
+    return _launches_as_in_graphs(False)
 
 
 def launch_args(x: torch.Tensor) -> dict:
@@ -167,11 +146,10 @@ def launch_args(x: torch.Tensor) -> dict:
     CUDA graph is being captured (every decode step; ``graph_launches``). Launched eagerly
     (prefill and mixed steps), a PDL kernel held the host until the GPU had caught up, so
     the host's launches and the GPU's kernels ran one after the other instead of side by
-    side: on an H100, an eager 8B step of a 3-token prefill took 33-45 ms with PDL
-    launches and 18-21 ms without. ``launch_pdl`` is a Triton compile option: a kernel
-    has one compiled variant for the graphs and one for eager steps (the start-up warm-up
-    compiles the eager ones); launched without it, ``gdc_wait`` and
-    ``gdc_launch_dependents`` do nothing."""
+    side (an eager step took about twice as long; docs/kernels.md). ``launch_pdl`` is a
+    Triton compile option: a kernel has one compiled variant for the graphs and one for
+    eager steps (the start-up warm-up compiles the eager ones); launched without it,
+    ``gdc_wait`` and ``gdc_launch_dependents`` do nothing."""
     if enabled(x) and (getattr(_GRAPH_LAUNCHES, "on", False)
                        or torch.cuda.is_current_stream_capturing()):
         return {"launch_pdl": True}

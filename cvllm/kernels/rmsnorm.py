@@ -1,7 +1,7 @@
 """RMSNorm with an optional fused residual add, one row per Triton program (Triton).
 
 Called by ``layers/layernorm.RMSNorm`` / ``GemmaRMSNorm`` on CUDA tensors;
-``kernels/reference.rms_norm_ref`` is the plain-torch version and the test oracle
+``kernels/reference/norms.rms_norm_ref`` is the plain-torch version and the test oracle
 (tests/kernels/test_rmsnorm.py, also run on the CPU under ``TRITON_INTERPRET=1``).
 Nothing here keeps state between calls.
 
@@ -27,7 +27,6 @@ skips the rounding in every one of its programs.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -35,12 +34,12 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
+from cvllm.kernels.device import INTERPRETED
 from cvllm.kernels.pdl import gdc_enter
-from cvllm.kernels.quant.ggml_kernels import q8_store
+from cvllm.kernels.quant.ggml_q8 import q8_store
 from cvllm.kernels.quant.q8form import attach_q8, q8_buffers
 
 MAX_HIDDEN = 65536
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -165,7 +164,7 @@ def rms_norm(
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block, PDL=pdl.enabled(x),
             Q8_WPS=q8_wps if q8 else 0, Q8_NSUB=triton.next_power_of_2(hidden // 32) if q8
-            else 1, ASM=not _INTERPRETED, EARLY=pdl.early_trigger(x, site),
+            else 1, ASM=not INTERPRETED, EARLY=pdl.early_trigger(x, site),
             num_warps=min(max(block // 512, 1), 16),
             **pdl.launch_args(x),
         )

@@ -1,7 +1,7 @@
 """Rotary position embedding applied in place to q and k (Triton).
 
 Called by ``layers/rotary.RotaryEmbedding.forward`` on CUDA tensors;
-``kernels/reference.rotary_embedding_ref`` is the plain-torch version and the test oracle
+``kernels/reference/rotary.rotary_embedding_ref`` is the plain-torch version and the test oracle
 (tests/kernels/test_rotary.py, also run on the CPU under ``TRITON_INTERPRET=1``). Nothing
 here keeps state; the cos/sin cache is owned by the rotary layer.
 
@@ -17,8 +17,8 @@ Positions are not bounds-checked on the device (that would need a sync): the cal
 sizes the cache to ``max_model_len``.
 
 ``rotary_write_kv`` is the same rotation fused with the paged KV-cache write
-(``paged_attention.write_kv``) for the Triton attention backend: one launch instead of
-two per layer, which matters at batch 1 where each is a few microseconds of mostly fixed
+(``paged_attention/kv_write.write_kv``) for the Triton attention backend: one launch
+instead of two per layer, which matters at batch 1 where each is a few microseconds of mostly fixed
 cost. It rotates q and k in place exactly as ``rotary_embedding`` does, then stores the
 rotated k and the v row at the token's cache slot as ``write_kv`` would, so the results
 are bit-equal to the two kernels (tested). On Hopper it is launched with PDL and waits
@@ -34,8 +34,10 @@ import triton
 import triton.language as tl
 
 from cvllm.kernels import pdl
-from cvllm.kernels.paged_attention import (_check_caches, _check_dtypes, _check_same_device,
-                                           _scale_args, _to_e4m3_grid)
+from cvllm.kernels.paged_attention.checks import (
+    check_caches, check_dtypes, check_same_device, scale_args,
+)
+from cvllm.kernels.paged_attention.kv_write import to_e4m3_grid
 from cvllm.kernels.pdl import gdc_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -180,7 +182,7 @@ def rotary_embedding(
 def _cache_store(ptrs, x, mask, scale_ptr, FP8: tl.constexpr):
     """``x`` (activation dtype) into a cache row: cast, or FP8-quantized as ``write_kv``."""
     if FP8:
-        x = _to_e4m3_grid(x.to(tl.float32) / tl.load(scale_ptr))
+        x = to_e4m3_grid(x.to(tl.float32) / tl.load(scale_ptr))
     tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
@@ -254,7 +256,7 @@ def _rotary_write_kv_kernel(
 def _check_write(key, value, k_cache, v_cache, slot_mapping, num_writes, head_size) -> None:
     """What ``rotary_write_kv`` needs beyond ``_check_inputs``: caches that fit k / v,
     ``num_writes`` slots, one device."""
-    _check_caches(k_cache, v_cache)
+    check_caches(k_cache, v_cache)
     if tuple(k_cache.shape[2:]) != (key.shape[1], head_size):
         raise ValueError(f"the cache {tuple(k_cache.shape)} does not fit k "
                          f"[T, {key.shape[1]}, {head_size}]")
@@ -267,8 +269,8 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, num_writes, head_si
             num_writes and slot_mapping.stride(0) != 1):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be contiguous 1-D "
                          f"with at least num_writes={num_writes} entries")
-    _check_dtypes(slot_mapping=(slot_mapping, (torch.int32, torch.int64)))
-    _check_same_device(key, value, k_cache, v_cache, slot_mapping)
+    check_dtypes(slot_mapping=(slot_mapping, (torch.int32, torch.int64)))
+    check_same_device(key, value, k_cache, v_cache, slot_mapping)
 
 
 def rotary_write_kv(
@@ -286,8 +288,8 @@ def rotary_write_kv(
     k_scale: Optional[torch.Tensor] = None,  # [1] float32: FP8 caches only
     v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``rotary_embedding(positions, query, key, ...)`` then ``paged_attention.write_kv(
-    key[:num_writes], value[:num_writes], k_cache, v_cache, slot_mapping[:num_writes])``
+    """``rotary_embedding(positions, query, key, ...)`` then ``write_kv(key[:num_writes],
+    value[:num_writes], k_cache, v_cache, slot_mapping[:num_writes])``
     in one kernel; returns the rotated ``(query, key)`` (the inputs, in place)."""
     _check_inputs(positions, query, key, cos_sin_cache, head_size)
     T = positions.shape[0]
@@ -299,7 +301,7 @@ def rotary_write_kv(
     if value.dim() == 2 and tuple(value.shape) == (T, hk * head_size) and value.stride(1) == 1:
         v3 = value.view(T, hk, head_size)  # [T, Hkv, D]
     _check_write(k3, v3, k_cache, v_cache, slot_mapping, num_writes, head_size)
-    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
+    ks, vs, fp8 = scale_args(k_cache, k_scale, v_scale)
     if T == 0:
         return query, key
     half = cos_sin_cache.shape[-1] // 2

@@ -1,7 +1,7 @@
 """The sampling step on the GPU, with no host synchronisation (Triton + torch ops).
 
 Called by ``layers/sampler.Sampler`` on CUDA logits (rank 0); the oracles are
-``kernels/reference.apply_penalties_ref`` and ``reference.sample_ref``, which transcribe
+``kernels/reference/sampling.apply_penalties_ref`` and ``sample_ref``, which transcribe
 the torch sampler's semantics (tests/kernels/test_sampling.py, also run on the CPU under
 ``TRITON_INTERPRET=1``). Nothing here keeps state; every output stays on the device.
 

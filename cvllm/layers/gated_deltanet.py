@@ -18,7 +18,7 @@ prefill, continues from the slot and writes it back. The recurrent state is floa
 Math: a depthwise causal conv1d continuing from the conv state (vectorised over the
 batch), then the gated delta rule -- a one-step recurrence for the decode rows, the
 chunked (WY / UT-transform) form for each prefill row -- then ``RMSNormGated``.
-The plain per-sequence references live in ``kernels/reference.py``.
+The plain per-sequence references live in ``kernels/reference/deltanet.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from cvllm.attention.specs import StateSpec
 from cvllm.distributed import parallel_state
-from cvllm.kernels.reference import l2norm_ref
+from cvllm.kernels.reference.deltanet import l2norm_ref
 from cvllm.layers.utils import (as_tensor, copy_checked, default_weight_loader, divide,
                                 split_sizes)
 from cvllm.quantization.base import set_weight_attrs

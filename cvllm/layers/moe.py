@@ -26,7 +26,7 @@ from torch import nn
 
 from cvllm.distributed import parallel_state
 from cvllm.distributed.comm import tensor_model_parallel_all_reduce
-from cvllm.kernels.reference import MOE_ACTIVATIONS
+from cvllm.kernels.reference.fused_moe import MOE_ACTIVATIONS
 from cvllm.layers.utils import copy_checked, divide
 from cvllm.quantization.base import MoEMethodBase, QuantizationConfig
 from cvllm.quantization.packed import weight_view

@@ -29,15 +29,13 @@ per config: each rank builds its own engine config).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from cvllm.kernels.quant.backend import (
-    GgmlBackend, GgmlWeight, RawWeight, ReferenceBackend, backend_for,
-)
+from cvllm.kernels.quant.backend import GgmlBackend, GgmlWeight, RawWeight, ReferenceBackend
+from cvllm.kernels.quant.dispatch import backend_for
 from cvllm.kernels.quant.ggml_types import (
     FLOAT_TYPES, QUANTIZED_TYPES, GgmlType, block_shape, parse_isq,
 )
@@ -46,14 +44,9 @@ from cvllm.quantization.base import (
     set_weight_attrs,
 )
 from cvllm.quantization.packed import check_input_split, create_packed
-from cvllm.quantization.unquantized import FUSE_ACT
+from cvllm.utils import tuning
 
 logger = logging.getLogger("cvllm.quantization")
-
-NORM_Q8 = os.environ.get("CVLLM_GGML_NORM_Q8", "1").strip() != "0"
-"""RMSNorms write their batch-1 output's int8 form for the GGUF GEMV after them
-(``layers/layernorm.pair_norm_outputs``); ``CVLLM_GGML_NORM_Q8=0``: the GEMVs round it
-themselves."""
 
 KEPT_TYPES = QUANTIZED_TYPES | FLOAT_TYPES
 """Types a packed weight may hold (float parts of a quantized fused layer included)."""
@@ -283,7 +276,8 @@ class GGUFLinearMethod(LinearMethodBase):
         """``apply(layer, act_fn(x), bias)``; where the backend's batch-1 kernel applies
         the gated activation itself (``linear_gated``), in one launch. No push to
         ``sink``: the caller's reduction runs as usual."""
-        act = getattr(act_fn, "kernel_activation", None) if FUSE_ACT else None
+        fuse = tuning.current().gemv_act  # CVLLM_GEMV_ACT
+        act = getattr(act_fn, "kernel_activation", None) if fuse else None
         if act is not None and len(self.prepared.groups) == 1:
             backend, w, _ = self.prepared.groups[0]
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, 2K]
@@ -302,8 +296,9 @@ class GGUFLinearMethod(LinearMethodBase):
     def rounded_input(self) -> int:
         """The int8 input form (words a sub-block) the batch-1 product of the most rows
         reads when its input row carries it (``GgmlBackend.rounded_input``); 0: none
-        (and always 0 with ``NORM_Q8`` off)."""
-        if self.prepared is None or not NORM_Q8:
+        (and always 0 with ``CVLLM_GGML_NORM_Q8=0``: the RMSNorms then write no int8
+        form, ``layers/layernorm.pair_norm_outputs``, and the GEMVs round it themselves)."""
+        if self.prepared is None or not tuning.current().ggml_norm_q8:
             return 0
         backend, w, _ = max(self.prepared.groups, key=lambda g: g[1].shape[0])
         return backend.rounded_input(w)
@@ -425,7 +420,7 @@ class GGUFMoEMethod(MoEMethodBase):
         """``hidden [T, H]`` -> ``[T, H]``: the experts that received tokens, one at a time,
         each dequantized for its matmul (the reference path; a fused quantized MoE kernel is
         not written yet)."""
-        from cvllm.kernels.reference import moe_act_and_mul, sort_tokens_by_expert
+        from cvllm.kernels.reference.fused_moe import moe_act_and_mul, sort_tokens_by_expert
 
         T, K = topk_ids.shape
         order, counts = sort_tokens_by_expert(topk_ids, layer.num_experts)

@@ -9,7 +9,6 @@ higher fraction of the bandwidth than cuBLAS does at these shapes; everything el
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -18,10 +17,8 @@ import torch.nn.functional as F
 from cvllm.quantization.base import (
     EmbeddingMethodBase, LinearMethodBase, MoEMethodBase, act_then, set_weight_attrs,
 )
+from cvllm.utils import tuning
 
-FUSE_ACT = os.environ.get("CVLLM_GEMV_ACT", "1").strip() != "0"
-"""Whether a batch-1 GEMV applies a gated activation to its input itself (one kernel
-fewer per MLP); ``CVLLM_GEMV_ACT=0`` runs the activation kernel first (comparisons)."""
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -73,7 +70,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
             w = layer.weight
             bias_ok = bias is None or bias.dtype == x.dtype
-            act = getattr(act_fn, "kernel_activation", None) if FUSE_ACT else None
+            fuse = tuning.current().gemv_act  # one kernel fewer per MLP (docs/kernels.md)
+            act = getattr(act_fn, "kernel_activation", None) if fuse else None
             if act is not None and not (bias_ok and g.use_gemv(x, w, gated=True)):
                 act = None
             if act_fn is not None and act is None:
@@ -137,7 +135,7 @@ class UnquantizedMoEMethod(MoEMethodBase):
 
             return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              activation)
-        from cvllm.kernels.reference import fused_moe_ref
+        from cvllm.kernels.reference.fused_moe import fused_moe_ref
 
         return fused_moe_ref(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              activation)

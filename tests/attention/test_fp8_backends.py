@@ -3,7 +3,7 @@
 Two steps over fresh FP8 caches allocated by ``attention/kv_cache.py``: a prefill of
 three sequences, then one decode token each. The torch reference backend must calibrate
 each cache's scale at its first write (``2 x max|x| / 448``), keep it afterwards, and
-attend exactly like ``kernels/reference.py`` over the same e4m3 bytes and scales. The
+attend exactly like ``kernels/reference/paged_attention.py`` over the same e4m3 bytes and scales. The
 Triton backend, from its own fresh caches, must write the same bytes (its float32
 rounding onto the e4m3 grid is exact; on the GPU at least 99% identical, see
 tests/kernels/test_paged_attention_fp8.py) and give the same output (float32:
@@ -29,7 +29,7 @@ from cvllm.attention.kv_cache import (
     reset_kv_scales,
 )
 from cvllm.attention.metadata import AttentionMetadata
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import paged_attention as ref
 from tests.interpreted import run_interpreted
 
 FP8 = torch.float8_e4m3fn

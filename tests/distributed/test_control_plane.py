@@ -21,6 +21,7 @@ from cvllm.distributed.control_plane import (
 )
 from cvllm.distributed.inprocess import InProcessGroup
 from cvllm.distributed.launch_env import LaunchEnv, find_free_port_pair
+from cvllm.utils import tuning
 from tests.distributed.cp_peer import make_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,22 +117,21 @@ def test_a_step_makes_the_next_receive_hot_a_heartbeat_does_not():
     assert seen[0] < 0  # after a heartbeat: cold
 
 
-def test_hot_window_setting(monkeypatch):
+def test_hot_window_setting():
     from cvllm.distributed import control_plane as cp
 
-    monkeypatch.delenv("CVLLM_HOT_POLL_S", raising=False)
-    assert cp.hot_window_s() == cp.HOT_WINDOW_S
-    monkeypatch.setenv("CVLLM_HOT_POLL_S", "0")
-    sender, worker, _ = _pair()
+    with tuning.configure(tuning.from_environ({})):
+        assert cp.hot_window_s() == cp.HOT_WINDOW_S
+    with tuning.configure(tuning.from_environ({"CVLLM_HOT_POLL_S": "0"})):
+        sender, worker, _ = _pair()
     assert worker.hot_window_s == 0.0
     sender.broadcast(MessageKind.STEP, 1, make_step(1).pack())
     worker.recv(timeout_s=1)
     sender.broadcast(MessageKind.SHUTDOWN, 1)
     assert worker.recv(timeout_s=1).kind == MessageKind.SHUTDOWN  # works without hot polls
     for bad in ("-1", "soon", "nan"):
-        monkeypatch.setenv("CVLLM_HOT_POLL_S", bad)
         with pytest.raises(ValueError, match="CVLLM_HOT_POLL_S"):
-            cp.hot_window_s()
+            tuning.from_environ({"CVLLM_HOT_POLL_S": bad})
 
 
 def test_sender_checks_bodies():

@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 
 from cvllm.distributed import custom_allreduce
 from cvllm.distributed.launch_env import find_free_port_pair
-from cvllm.kernels.reference import all_reduce_ref, all_reduce_rms_norm_ref
+from cvllm.utils import tuning
+from cvllm.kernels.reference.norms import all_reduce_ref, all_reduce_rms_norm_ref
 from tests.kernels.test_allreduce import EPS, run_cases
 
 
@@ -69,20 +70,19 @@ def test_required_custom_path_fails_clearly_on_cpu():
         assert "CVLLM_ALLREDUCE=custom" in msg and "not CUDA" in msg
 
 
-def test_choice_is_checked(monkeypatch):
-    monkeypatch.delenv("CVLLM_ALLREDUCE", raising=False)
-    assert custom_allreduce.choice() == "auto"
-    monkeypatch.setenv("CVLLM_ALLREDUCE", "NCCL")
-    assert custom_allreduce.choice() == "nccl"
-    assert "CVLLM_ALLREDUCE=nccl" in custom_allreduce._local_reason(
-        None, torch.device("cuda", 0), 2, True)
-    monkeypatch.setenv("CVLLM_ALLREDUCE", "symm")
+def test_choice_is_checked():
+    with tuning.configure(tuning.from_environ({})):
+        assert custom_allreduce.choice() == "auto"
+    with tuning.configure(tuning.from_environ({"CVLLM_ALLREDUCE": "NCCL"})):
+        assert custom_allreduce.choice() == "nccl"
+        assert "CVLLM_ALLREDUCE=nccl" in custom_allreduce._local_reason(
+            None, torch.device("cuda", 0), 2, True)
     with pytest.raises(ValueError, match="auto, custom, nccl"):
-        custom_allreduce.choice()
-    monkeypatch.setenv("CVLLM_ALLREDUCE", "auto")
-    assert custom_allreduce._local_reason(None, torch.device("cpu"), 2, True) == "not CUDA"
-    assert "several nodes" in custom_allreduce._local_reason(
-        None, torch.device("cuda", 0), 2, False)
+        tuning.from_environ({"CVLLM_ALLREDUCE": "symm"})
+    with tuning.configure(tuning.from_environ({"CVLLM_ALLREDUCE": "auto"})):
+        assert custom_allreduce._local_reason(None, torch.device("cpu"), 2, True) == "not CUDA"
+        assert "several nodes" in custom_allreduce._local_reason(
+            None, torch.device("cuda", 0), 2, False)
 
 
 class _FakeImpl:

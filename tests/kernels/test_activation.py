@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import ACT_AND_MUL, act_and_mul_ref
+from cvllm.kernels.reference.linear import ACT_AND_MUL, act_and_mul_ref
 from cvllm.layers.activation import get_act_and_mul_fn
 from tests.interpreted import run_interpreted
 

@@ -20,7 +20,7 @@ import torch
 
 from cvllm.distributed.custom_allreduce import CustomAllReduce
 from cvllm.kernels import allreduce as ar
-from cvllm.kernels.reference import all_reduce_ref, all_reduce_rms_norm_ref
+from cvllm.kernels.reference.norms import all_reduce_ref, all_reduce_rms_norm_ref
 from tests.interpreted import run_interpreted
 
 EPS = 1e-5

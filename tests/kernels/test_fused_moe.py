@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import fused_moe_ref
+from cvllm.kernels.reference.fused_moe import fused_moe_ref
 from cvllm.layers.moe import select_experts
 from tests.interpreted import run_interpreted
 

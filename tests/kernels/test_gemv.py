@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import gemv_ref
+from cvllm.kernels.reference.linear import gemv_ref
 from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -58,7 +58,7 @@ def check_gated(n, k, act, dtype=torch.float16, device="cpu") -> None:
     reference within the GEMV tolerance."""
     from cvllm.kernels.activation import act_and_mul
     from cvllm.kernels.gemv import gemv
-    from cvllm.kernels.reference import act_and_mul_ref
+    from cvllm.kernels.reference.linear import act_and_mul_ref
 
     g = torch.Generator().manual_seed(n + k)
     x = (2 * torch.randn(1, 2 * k, generator=g)).to(dtype=dtype, device=device)

@@ -23,8 +23,10 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from cvllm.kernels.quant import ggml_i8_kernels as gi  # noqa: E402
 from cvllm.kernels.quant import ggml_kernels as gk  # noqa: E402
 from cvllm.kernels.quant.ggml_pack import SPECS  # noqa: E402
+from cvllm.kernels.quant.ggml_q8 import ggml_q8_kernel  # noqa: E402
 from cvllm.kernels.quant.ggml_types import GgmlType  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,7 +77,7 @@ def test_gemv_i8_compiles_for_sm90(mode, off, wps):
                                              (False, False, True, 0, 4),
                                              (True, True, True, 0, 2)):
         pointers["x_ptr"] = "*i32" if xq else "*bf16"
-        compiled = _compile(gk.ggml_gemv_i8_kernel, pointers, dict(
+        compiled = _compile(gi.ggml_gemv_i8_kernel, pointers, dict(
             SUPER=256 if mode == 3 else 32, MODE=mode, OFF=off, BN=16, NSUB=2048 // 32 // (
                 wps // 4), HAS_BIAS=split == 2, EVEN_K=even_k, PREFETCH=prefetch, PDL=False,
             WIDE=False, ASM=True, ACT=act, XQ=xq, WPS=wps, SPLIT=split, STEPS=2))
@@ -92,7 +94,7 @@ def test_gemv_i8_q6_compiles_for_sm90():
                 "hi_ptr": "*i32", "d_ptr": "*i32", "sc_ptr": "*i8", "ws_ptr": "*fp32",
                 "sem_ptr": "*i32"}
     for even_k, act, split in ((True, 0, 1), (False, 1, 1), (True, 0, 4), (False, 0, 2)):
-        compiled = _compile(gk.ggml_gemv_i8_q6_kernel, pointers, dict(
+        compiled = _compile(gi.ggml_gemv_i8_q6_kernel, pointers, dict(
             BN=16, NSUB=64, HAS_BIAS=split == 4, EVEN_K=even_k, PDL=False, WIDE=False,
             ASM=True, ACT=act, SPLIT=split, STEPS=2))
         ptx = compiled.asm["ptx"]
@@ -103,8 +105,8 @@ def test_gemv_i8_q6_compiles_for_sm90():
 @pytest.mark.parametrize("wps", [4, 8])
 def test_q8_kernel_compiles_for_sm90(wps):
     for even_k, act in itertools.product((True, False), (0, 1)):
-        compiled = _compile(gk.ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32",
-                                                "s_ptr": "*fp32"},
+        compiled = _compile(ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32",
+                                             "s_ptr": "*fp32"},
                             dict(NSUB=32, EVEN_K=even_k, ASM=True, ACT=act, PDL=False,
                                  WPS=wps, EARLY=False))
         ptx = compiled.asm["ptx"]
@@ -140,7 +142,7 @@ def test_small_pdl_kernels_trigger_where_told(early):
     norm = _compile(_rms_norm_kernel, pointers, dict(
         HAS_RESIDUAL=True, OFFSET=False, BLOCK=4096, PDL=True, Q8_WPS=4, Q8_NSUB=128,
         ASM=True, EARLY=early), num_warps=8, launch_pdl=True)
-    q8 = _compile(gk.ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32"},
+    q8 = _compile(ggml_q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32"},
                   dict(NSUB=32, EVEN_K=True, ASM=True, ACT=1, PDL=True, WPS=4, EARLY=early),
                   launch_pdl=True)
     for compiled in (norm, q8):
@@ -179,7 +181,7 @@ def test_mm_plans_compile_for_sm90(t):
     """Every tile ``plan_mm`` picks for the 8B shapes at 16, 32, 64 and 128 rows (both
     products, split K or not) compiles to a wgmma (``SWAP``: the weight from registers)
     and fits the shared memory of the smaller GPUs. About a second a compile."""
-    from cvllm.kernels.quant.ggml_cuda import plan_mm
+    from cvllm.kernels.quant.ggml_plan import plan_mm
 
     plans = {plan_mm(m, n, k, SPECS[t], 132) for m in (16, 32, 64, 128)
              for n, k in [(4096, 4096), (28672, 4096), (4096, 14336)]}

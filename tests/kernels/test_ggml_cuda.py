@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from cvllm.kernels.quant import ggml_plan as gp
 from cvllm.kernels.quant.ggml_types import QUANTIZED_TYPES, GgmlType, block_shape
 from tests.interpreted import run_interpreted
 
@@ -127,7 +128,7 @@ def tie_free(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 def int8_rounded(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """``x [M, K]`` as ``gemv_i8`` rounds it, float64: per ``group`` elements (32; Q6_K's
-    16, ``ggml_cuda.i8_group``) ``round(x * (127 / amax)) * amax / 127`` (half to even,
+    16, ``ggml_plan.i8_group``) ``round(x * (127 / amax)) * amax / 127`` (half to even,
     float32 products)."""
     xf = x.float().reshape(x.shape[0], -1, group)
     amax = xf.abs().amax(-1, keepdim=True)
@@ -149,13 +150,13 @@ def check_linear(t: GgmlType, n: int, k: int, m: int, path=None, config=None,
     gaussian = x is None
     if gaussian:
         x = torch.randn(m, k, generator=g, device=device).to(dtype)
-    group = gc.i8_group(w.spec)
+    group = gp.i8_group(w.spec)
     x = tie_free(x, group)
     b = (torch.randn(n, generator=g, device=device) * 0.1).to(dtype) if bias else None
     y = gc.linear(x, w, b, path=path, config=config)
     want = x.double() @ want_w.double().T + (b.double() if bias else 0)
     assert y.shape == (m, n) and y.dtype == dtype
-    if (path or gc.choose_path(m, w.spec)) == "gemv_i8":
+    if (path or gp.choose_path(m, w.spec)) == "gemv_i8":
         # The interpreter truncates where it rounds to bf16 (up to an ulp, one-sided).
         tol = 1e-2 if device == "cpu" and dtype == torch.bfloat16 else I8_TOL
         want_i8 = int8_rounded(x, group) @ want_w.double().T + (b.double() if bias else 0)
@@ -179,10 +180,11 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
     to int8 as ``gemv_i8`` rounds it, for each tile config (None: planned); through the
     backend too, which declines two rows."""
     from cvllm.kernels.quant import ggml_cuda as gc
-    from cvllm.kernels.reference import act_and_mul_ref
+    from cvllm.kernels.quant.cuda_backend import CudaBackend
+    from cvllm.kernels.reference.linear import act_and_mul_ref
 
     k = w.shape[1]
-    group = gc.i8_group(w.spec)
+    group = gp.i8_group(w.spec)
     for act in ("silu", "gelu_tanh"):
         gate_up = (torch.randn(1, 2 * k, device=device) * 2).to(dtype)
         x = act_and_mul_ref(gate_up, act)  # [1, K] in dtype
@@ -199,8 +201,8 @@ def check_gated(w, want_w: torch.Tensor, device: str, dtype: torch.dtype,
             for prequant in (False, True):
                 assert_close_rms(gc.linear(gate_up, w, act=act, config=cfg, prequant=prequant),
                                  want, I8_TOL)
-        assert_close_rms(gc.CudaBackend().linear_gated(gate_up, w, act), want, I8_TOL)
-    assert gc.CudaBackend().linear_gated(torch.randn(2, 2 * k, device=device).to(dtype), w,
+        assert_close_rms(CudaBackend().linear_gated(gate_up, w, act), want, I8_TOL)
+    assert CudaBackend().linear_gated(torch.randn(2, 2 * k, device=device).to(dtype), w,
                                          "silu") is None
 
 
@@ -214,12 +216,13 @@ against the reference: split K and not for every type, more shapes for ``SWAP_TY
 of each layout: 4-bit / 8-bit / 2-bit quants, 16- and 32-element sub-blocks, a high plane,
 the IQ4 table). Few, small programs: the interpreter's time grows with the programs."""
 HEAVY = (GgmlType.Q8_0, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q5_K, GgmlType.Q6_K)
-"""The types whose 65-128-row tiles stay unswapped on Hopper (``plan_mm``)."""
+"""The types whose 65-128-row tiles stay unswapped on Hopper (``ggml_plan.plan_mm``)."""
 
 
 def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     """Every path of one type at small, ragged shapes (N not a multiple of the row block)."""
     from cvllm.kernels.quant import ggml_cuda as gc
+    from cvllm.kernels.quant.cuda_backend import CudaBackend
 
     n, k = 40, 512
     raw = random_raw(t, n, k, device=device)
@@ -240,7 +243,7 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
     check_linear(t, n, k, 5, path="dense", bias=True, **common)
     for m, cfg in MM_SWAPPED + (MM_SWAPPED_MORE if t in SWAP_TYPES else []):
         check_linear(t, n, k, m, path="mm", config=cfg, bias=(m, cfg) in MM_SWAPPED, **common)
-    if gc.takes_int8_gemv(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
+    if gp.takes_int8_gemv(w.spec):  # the int8 GEMV: planned, 2 K steps (prefetched or not), masked
         check_linear(t, n, k, 1, path="gemv_i8", bias=True, **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(4, 256, 2, True), **common)
         check_linear(t, n, k, 1, path="gemv_i8", config=(16, 256, 4, False), **common)
@@ -267,9 +270,9 @@ def check_type(t: GgmlType, device="cpu", dtype=torch.float16) -> None:
         # An exact weight (an LM head) keeps the float path: the same bits as asking for it.
         w_exact = gc.prepare(raw, t, exact=True)
         x = torch.randn(1, k, generator=g, device=device).to(dtype)
-        assert gc.choose_path(1, w_exact.spec, w_exact.exact) == "gemv"
+        assert gp.choose_path(1, w_exact.spec, w_exact.exact) == "gemv"
         assert torch.equal(gc.linear(x, w_exact), gc.linear(x, w, path="gemv"))
-        assert gc.CudaBackend().linear_gated(torch.randn(1, 2 * k, device=device).to(dtype),
+        assert CudaBackend().linear_gated(torch.randn(1, 2 * k, device=device).to(dtype),
                                              w_exact, "silu") is None
 
 
@@ -407,114 +410,6 @@ def test_mm_launch_rewords_what_does_not_compile(monkeypatch):
         gc.linear(x, w, path="mm")
 
 
-def test_plans_cover_the_sms_and_split_small_grids():
-    from cvllm.kernels.quant.ggml_cuda import choose_path, mm_refusal, plan_gemv, plan_mm
-    from cvllm.kernels.quant.ggml_pack import SPECS
-
-    for t in TYPES:
-        spec = SPECS[t]
-        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (64, 512)]:
-            for m in (1, 2):
-                bn, bk, warps, _ = plan_gemv(m, n, k, spec, 132)
-                assert bn & (bn - 1) == 0 and bk % spec.sb == 0 and bk & (bk - 1) == 0
-                assert -(-n // bn) >= 132 or bn == 1
-            for m in (3, 16, 64, 128, 700):
-                plan = plan_mm(m, n, k, spec, 132)
-                assert mm_refusal(spec, *plan) is None  # launched unchecked
-                bm, bn, bk, warps, stages, group, split, swap = plan
-                assert bk % spec.sb == 0 and split in (1, 2, 4, 8) and bm >= min(m, 128)
-                assert split == 1 or k // (bk * split) >= 2
-                q4k_down = t == GgmlType.Q4_K and m == 64 and k >= 8192 and split > 1
-                assert swap == (m <= 32 or (m > 64 and t not in HEAVY) or q4k_down)
-                old = plan_mm(m, n, k, spec, 132, wgmma=False)  # no wgmma: never swapped
-                assert not old[7] and old[0] >= min(m, 128) and old[2] % spec.sb == 0
-                if swap and k // (bk * split) >= 4:  # the split fills the SMs, if K allows
-                    assert -(-m // bm) * -(-n // bn) * split >= 132 or split == 8
-    # The H100 / H200 sweeps' choices (tools/bench_ggml.py).
-    assert plan_gemv(1, 4096, 4096, SPECS[GgmlType.Q4_K], 132) == (8, 4096, 4, False)
-    assert plan_gemv(2, 4096, 4096, SPECS[GgmlType.Q4_K], 132)[0] == 16
-    assert plan_gemv(1, 6144, 4096, SPECS[GgmlType.Q6_K], 132) == (8, 2048, 4, True)
-    q4k, q6k = SPECS[GgmlType.Q4_K], SPECS[GgmlType.Q6_K]
-    assert plan_mm(16, 4096, 4096, q4k, 132) == (16, 64, 256, 4, 3, 8, 4, True)
-    assert plan_mm(16, 6144, 4096, q4k, 132)[6] == 2
-    assert plan_mm(32, 28672, 4096, q4k, 132) == (32, 64, 128, 4, 3, 8, 1, True)
-    assert plan_mm(32, 4096, 14336, q4k, 132) == (32, 64, 256, 4, 3, 8, 4, True)
-    assert plan_mm(128, 4096, 4096, q4k, 132) == (128, 64, 128, 8, 3, 8, 4, True)
-    assert plan_mm(128, 4096, 4096, q6k, 132) == (128, 64, 128, 8, 3, 8, 4, False)
-    assert plan_mm(64, 28672, 4096, q4k, 132)[1::5] == (128, 1)
-    assert plan_gemv(1, 6144, 4096, q4k, 132) == (8, 2048, 4, False)
-    assert plan_gemv(1, 28672, 4096, q4k, 132) == (8, 4096, 4, False)
-    assert plan_gemv(1, 128256, 4096, q6k, 132) == (8, 1024, 2, True)
-    assert plan_mm(64, 28672, 4096, q4k, 132)[1:3] == (128, 128)
-    assert plan_mm(64, 28672, 4096, q4k, 132, wgmma=False)[1:3] == (128, 64)
-    assert plan_mm(64, 128256, 4096, q4k, 132)[1:3] == (128, 128)
-    assert plan_mm(64, 4096, 14336, q4k, 132) == (64, 128, 64, 4, 3, 8, 8, True)
-    assert plan_mm(64, 4096, 14336, q4k, 132, wgmma=False)[:7] == (64, 64, 256, 4, 3, 8, 2)
-    assert plan_mm(64, 4096, 14336, q6k, 132)[2::4] == (128, 4)
-    # without wgmma (sm_80 / sm_89) the H100 sweep's mma.sync plan, as before
-    assert plan_mm(16, 4096, 4096, q4k, 132, wgmma=False) == (16, 64, 256, 4, 3, 8, 4, False)
-    assert plan_mm(32, 28672, 4096, q4k, 132, wgmma=False)[:7] == (32, 64, 128, 4, 3, 8, 4)
-    assert plan_mm(64, 4096, 14336, q4k, 132, wgmma=False)[1::5] == (64, 2)
-    assert plan_mm(128, 4096, 4096, q4k, 132, wgmma=False)[:7] == (128, 64, 128, 4, 3, 8, 4)
-    assert [choose_path(m) for m in (1, 2, 3, 128, 129)] == ["gemv"] * 2 + ["mm"] * 2 + [
-        "dense"]
-    # The int8 GEMV: one row of the plain 4-bit types, Q8_0 and Q6_K, unless turned off.
-    assert [choose_path(1, SPECS[t]) for t in (GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K,
-                                               GgmlType.Q8_0, GgmlType.Q6_K, GgmlType.Q5_K,
-                                               GgmlType.IQ4_NL)] == ["gemv_i8"] * 5 + ["gemv"] * 2
-    assert choose_path(2, q4k) == "gemv"
-    # Q6_K keeps the float GEMV where its int8 plan would split K in four (the 8B down
-    # projection: 41.9 against 23.3 us on an H200), the int8 one elsewhere.
-    q6k = SPECS[GgmlType.Q6_K]
-    assert choose_path(1, q6k, shape=(4096, 14336), num_sms=132) == "gemv"
-    assert [choose_path(1, q6k, shape=s, num_sms=132) for s in (
-        (28672, 4096), (128256, 4096), (4096, 4096), (6144, 4096))] == ["gemv_i8"] * 4
-    assert choose_path(1, q4k, shape=(4096, 14336), num_sms=132) == "gemv_i8"
-    assert choose_path(1, q6k, exact=True, shape=(128256, 4096), num_sms=132) == "gemv"
-    from cvllm.kernels.quant import ggml_cuda as gc
-
-    try:
-        gc.INT8_GEMV = False
-        assert choose_path(1, q4k) == "gemv"
-    finally:
-        gc.INT8_GEMV = True
-
-
-def test_int8_gemv_plans_and_splits():
-    from cvllm.kernels.quant import ggml_cuda as gc
-
-    # The H200 sweep's int8 plans (BN, BK, warps, prefetch, split): gate_up, qkv (K split
-    # in two, 32 rows a program for 4-bit weights), o_proj, down (split in four); a gated
-    # down projection's x rounded first.
-    assert gc.plan_gemv_i8(28672, 4096, 132) == (16, 2048, 4, False, 1)
-    assert gc.plan_gemv_i8(6144, 4096, 132) == (32, 2048, 4, False, 2)
-    assert gc.plan_gemv_i8(6144, 4096, 132, wps=8) == (16, 1024, 4, False, 2)
-    assert gc.plan_gemv_i8(4096, 4096, 132) == (16, 4096, 4, False, 1)
-    assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 1024, 4, False, 4)
-    assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (4, 2048, 2, True, 1)
-    assert gc.plan_gemv_i8(64, 512, 132) == (16, 512, 4, False, 1)
-    # Q8_0 (8 words a sub-block): half the K step, the same words a program
-    assert gc.plan_gemv_i8(28672, 4096, 132, wps=8) == (16, 1024, 4, False, 1)
-    assert gc.plan_gemv_i8(4096, 4096, 132, wps=8) == (16, 2048, 4, False, 1)
-    assert gc.i8_config(None, 4096, 14336, 132, False, 8) == (16, 512, 4, False, 4, 7)
-    # a split is trimmed so that no run is empty: 5 steps asked in 4 runs go in 3 of 2
-    assert gc.i8_config((16, 1024, 4, False, 4), 4096, 5120, 132, False, 4)[4:] == (3, 2)
-    assert gc.i8_config((16, 2048, 4, False, 8), 4096, 4096, 132, False, 4)[4:] == (2, 1)
-    assert gc.i8_config((16, 2048, 4, False), 4096, 4096, 132, False, 4)[4:] == (1, 2)
-    for bad in ((16, 2048, 4, False, 0), (2, 2048, 4, False, 2), (16, 2048, 4)):
-        with pytest.raises(ValueError):
-            gc.i8_config(bad, 4096, 4096, 132, False, 4)
-    # CVLLM_GGML_I8_SPLIT=0: the plan before the split
-    try:
-        gc.I8_SPLIT = False
-        assert gc.plan_gemv_i8(6144, 4096, 132) == (8, 2048, 4, False, 1)
-        assert gc.plan_gemv_i8(4096, 14336, 132) == (16, 4096, 4, False, 1)
-        assert gc.plan_gemv_i8(4096, 14336, 132, prequant=True) == (8, 2048, 4, False, 1)
-    finally:
-        gc.I8_SPLIT = True
-    assert gc._prequant(1) and not gc._prequant(0)
-
-
 # ----- GPU: compiled, model-sized ---------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -548,11 +443,12 @@ def test_8b_shapes_gpu(t, n, k):
     for m in (1, 16, 64, 2048):
         check_linear(t, n, k, m, raw=raw, want_w=want_w, dtype=torch.bfloat16, device="cuda")
     if n <= 6144:  # both products on the planned tiles of 16, 32, 64 and 128 rows
-        from cvllm.kernels.quant import ggml_cuda as gc
+        from cvllm.kernels.device import sms_of
+        from cvllm.kernels.quant.ggml_pack import SPECS
 
         for m in (16, 32, 64, 128):
             for swap in (False, True):
-                cfg = gc.plan_mm(m, n, k, gc.SPECS[t], gc._sms(raw))[:7] + (swap,)
+                cfg = gp.plan_mm(m, n, k, SPECS[t], sms_of(raw))[:7] + (swap,)
                 check_linear(t, n, k, m, "mm", cfg, raw=raw, want_w=want_w,
                              dtype=torch.bfloat16, device="cuda")
         check_linear(t, n, k, 17, raw=raw, want_w=want_w, dtype=torch.float16,

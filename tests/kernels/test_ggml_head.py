@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cvllm.utils import tuning
 from tests.interpreted import run_interpreted
 from tests.kernels.test_ggml_cuda import assert_close_rms, random_raw
 
@@ -77,11 +78,8 @@ def check_head(t_name: str, n: int, k: int, device: str, dtype: torch.dtype) -> 
     x2 = torch.randn(2, k, generator=g).to(dtype).to(device)
     assert not gh.takes_int8_head(x2, w)
     assert torch.equal(gh.head_linear(x2, w), gc.linear(x2, w))
-    gh.INT8_HEAD = False
-    try:
+    with tuning.configure(ggml_int8_head=False):
         assert torch.equal(gh.head_linear(x, w, bias), gc.linear(x, w, bias))
-    finally:
-        gh.INT8_HEAD = True
 
 
 def run_cpu_cases() -> None:
@@ -150,15 +148,16 @@ def test_topk_kernels_compile_for_sm90():
     from cvllm.kernels.quant import ggml_cuda as gc
     from cvllm.kernels.quant import ggml_kernels as gk
     from cvllm.kernels.quant.ggml_pack import SPECS
+    from cvllm.kernels.quant.ggml_plan import plan_gemv
     from cvllm.kernels.quant.ggml_types import GgmlType
 
     for t in (GgmlType.Q6_K, GgmlType.Q8_0):
         spec = SPECS[t]
-        bn, bk, warps, prefetch = gc.plan_gemv(1, 128256, 4096, spec, 132)
+        bn, bk, warps, prefetch = plan_gemv(1, 128256, 4096, spec, 132)
         pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "lo_ptr": "*i32",
                     "hi_ptr": "*i32", "d_ptr": "*i32" if spec.dd else "*fp16",
                     "dm_ptr": "*fp16", "sc_ptr": "*i8", "ids_ptr": "*i64"}
         compiled = _compile(gk.ggml_gemv_kernel, pointers, dict(
-            **gc._type_consts(spec), BM=1, BN=bn, NSUB=bk // spec.sb, HAS_BIAS=True,
+            **gc.type_consts(spec), BM=1, BN=bn, NSUB=bk // spec.sb, HAS_BIAS=True,
             EVEN_K=True, PREFETCH=prefetch, PDL=True, WARPS=warps, IDS=True), num_warps=warps)
         assert "griddepcontrol.wait" in compiled.asm["ptx"]

@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import paged_attention as ref
 from tests.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -95,6 +95,7 @@ def check_decode(seq_lens, heads: Tuple[int, int], d: int, bs=16, device="cpu",
     """``bound``: ``max_seq_len`` exceeds the longest sequence by that much, as a CUDA
     graph's (planned for ``max_model_len``) does, so most splits hold no keys."""
     from cvllm.kernels import paged_attention as pa
+    from cvllm.kernels.paged_attention import decode as pd
 
     h, hkv = heads
     p = make_paged(seq_lens, bs, hkv, d, dtype, device, seed)
@@ -112,7 +113,7 @@ def check_decode(seq_lens, heads: Tuple[int, int], d: int, bs=16, device="cpu",
     fused = [pa.decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale,
                                  max_seq_len=top, num_splits=num_splits,
                                  fused_merge=True, **opts) for _ in range(2)]
-    for buf in pa._TICKETS.get((q.device.type, q.device.index), []):
+    for buf in pd._TICKETS.get((q.device.type, q.device.index), []):
         assert int(buf.abs().sum()) == 0
     assert_close(fused[0], want, dtype)
     assert torch.equal(fused[0], fused[1])
@@ -318,14 +319,15 @@ def test_per_step_arguments_pick_no_new_kernel_variant():
     """What follows the batch (a block table's width, split counts, metadata sliced past
     the decodes) is not specialized on, and the merge kernel has two split tiles: a mixed
     step never waits for a compile (tests/engine/test_warm_up_gpu.py on the GPU)."""
-    from cvllm.kernels import paged_attention as pa
+    from cvllm.kernels.paged_attention import decode as pd
+    from cvllm.kernels.paged_attention import prefill as pp
 
-    ints = {pa._prefill_kernel: ("stride_bt",),
-            pa._decode_kernel: ("split_len", "num_splits", "stride_bt"),
-            pa._merge_kernel: ("num_splits",)}
-    pointers = {pa._prefill_kernel: ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"),
-                pa._decode_kernel: ("block_tables_ptr", "seq_lens_ptr", "ticket_ptr"),
-                pa._merge_kernel: ()}
+    ints = {pp._prefill_kernel: ("stride_bt",),
+            pd._decode_kernel: ("split_len", "num_splits", "stride_bt"),
+            pd._merge_kernel: ("num_splits",)}
+    pointers = {pp._prefill_kernel: ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"),
+                pd._decode_kernel: ("block_tables_ptr", "seq_lens_ptr", "ticket_ptr"),
+                pd._merge_kernel: ()}
     for kernel in ints:
         params = {p.name: p for p in getattr(kernel, "params", [])}
         if not params:
@@ -336,4 +338,4 @@ def test_per_step_arguments_pick_no_new_kernel_variant():
             p = params[name]
             assert getattr(p, "do_not_specialize_on_alignment", p.do_not_specialize), \
                 (kernel.fn.__name__, name)
-    assert {pa.merge_block_s(s) for s in range(1, pa._MAX_SPLITS + 1)} == {16, 64}
+    assert {pd.merge_block_s(s) for s in range(1, pd._MAX_SPLITS + 1)} == {16, 64}

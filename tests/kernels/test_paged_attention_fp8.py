@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import paged_attention as ref
 from tests.interpreted import run_interpreted
 from tests.kernels.test_paged_attention import assert_close, make_paged
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import rms_norm_ref
+from cvllm.kernels.reference.norms import rms_norm_ref
 from cvllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from tests.interpreted import run_interpreted
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvllm.kernels.reference import rotary_embedding_ref, rotary_write_kv_ref, write_kv_ref
+from cvllm.kernels.reference.paged_attention import write_kv_ref
+from cvllm.kernels.reference.rotary import rotary_embedding_ref, rotary_write_kv_ref
 from cvllm.layers.rotary import get_rope
 from tests.interpreted import run_interpreted
 

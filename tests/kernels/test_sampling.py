@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm.kernels import reference as ref
+from cvllm.kernels.reference import sampling as ref
 from cvllm.kernels.sampling import _exp_noise
 from cvllm.layers.sampler import Sampler
 from cvllm.layers.sampling_tensors import SamplingTensors

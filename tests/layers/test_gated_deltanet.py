@@ -1,5 +1,5 @@
 """Gated DeltaNet math (layers/gated_deltanet.py) against its per-sequence references
-(kernels/reference.py) and against transformers' torch fallbacks in modeling_qwen3_next,
+(kernels/reference/deltanet.py) and against transformers' torch fallbacks in modeling_qwen3_next,
 including mixed batches (decodes + prefills), reused slots and chunked continuation."""
 
 from types import SimpleNamespace
@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from cvllm.kernels.reference import causal_conv1d_ref, gated_delta_rule_ref, rms_norm_gated_ref
+from cvllm.kernels.reference.deltanet import (
+    causal_conv1d_ref, gated_delta_rule_ref, rms_norm_gated_ref,
+)
 from cvllm.layers.gated_deltanet import (
     RMSNormGated,
     causal_conv1d_varlen,

@@ -16,6 +16,7 @@ import torch
 
 from cvllm.engine.llm import LLM
 from cvllm.sampling_params import SamplingParams
+from cvllm.utils import tuning
 from tests.models.family_harness import PROMPTS, save_tiny
 from tests.worker.tiny_llama import word_tokenizer
 from tests.quantization.test_default_model_quantized import agree_or_top5
@@ -74,19 +75,18 @@ def test_kept_q4k_matches_dequantized_and_isq(q4k_llama):
     assert [o.token_ids for o in isq] == [o.token_ids for o in kept]
 
 
-def test_norms_round_the_gemv_input_once(q4k_llama, monkeypatch):
+def test_norms_round_the_gemv_input_once(q4k_llama):
     """Each layer's two RMSNorms write the int8 input of the Q4_K GEMV after them
     (``pair_norm_outputs``); the greedy tokens are those of the GEMVs rounding it
     themselves (the same rounding; float32 sums may differ in the last bit)."""
     from cvllm.layers.layernorm import RMSNorm
-    from cvllm.quantization import gguf as gguf_method
 
     folder, path = q4k_llama
     llm, paired = _run(weight_file=str(path), weight_path=str(folder))
     norms = [m for m in llm.engine.runner.model.modules() if type(m) is RMSNorm]
     assert sum(m.q8_wps == 4 for m in norms) == 4  # 2 layers x 2 (not the final norm)
-    monkeypatch.setattr(gguf_method, "NORM_Q8", False)
-    llm, unpaired = _run(weight_file=str(path), weight_path=str(folder))
+    with tuning.configure(ggml_norm_q8=False):
+        llm, unpaired = _run(weight_file=str(path), weight_path=str(folder))
     assert not any(m.q8_wps for m in llm.engine.runner.model.modules()
                    if type(m) is RMSNorm)
     assert [o.token_ids for o in paired] == [o.token_ids for o in unpaired]

@@ -170,7 +170,7 @@ def test_quantized_embedding_and_tied_head(as_rank, tp):
 
 
 def test_moe_experts_quantized(as_rank):
-    from cvllm.kernels.reference import fused_moe_ref
+    from cvllm.kernels.reference.fused_moe import fused_moe_ref
     from cvllm.layers.moe import FusedMoE
 
     as_rank(0, 1)

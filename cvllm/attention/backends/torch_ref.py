@@ -14,7 +14,7 @@ attention) attend over each sequence's own tokens of the step, with no cache.
 FP8 caches (``--fp8-kvcache``, ``attention/kv_cache.py``): writes store
 ``clamp(x / scale, +-448)`` in e4m3 and gathers dequantize to float32 (``x * scale``),
 with the per-tensor scales the ``KVCache`` carries (calibrated at its first write) -- the
-same math as the Triton kernels and ``kernels/reference.py``, so the CPU engine supports
+same math as the Triton kernels and ``kernels/reference/paged_attention.py``, so the CPU engine supports
 the flag too.
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from cvllm.attention.interface import AttentionBackend, AttentionCapabilities, AttentionParams
 from cvllm.attention.kv_cache import KVCache, calibrate_kv_scales
 from cvllm.attention.metadata import AttentionMetadata, RopeInputs
-from cvllm.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+from cvllm.kernels.reference.paged_attention import dequantize_kv_ref, quantize_kv_ref
 
 MAX_ELEMS = 1 << 26
 """Float32 elements (scores + gathered K/V) one group may materialise: 256 MiB."""

@@ -1,16 +1,17 @@
 """The interface between the GGUF quantization methods and the kernels of one device kind.
 
 ``quantization/gguf.py``'s methods hand each run of same-type rows of a weight (GGUF's
-bytes, ``uint8 [N, K / B * S]``) to ``backend_for(device, type)`` once after loading
-(``prepare``: the backend may repack into a layout its kernels read fast, freeing the
-bytes), then call ``linear`` every step and ``embedding`` for token lookups. The methods
+bytes, ``uint8 [N, K / B * S]``) to ``dispatch.backend_for(device, type)`` once after
+loading (``prepare``: the backend may repack into a layout its kernels read fast, freeing
+the bytes), then call ``linear`` every step and ``embedding`` for token lookups. The methods
 never look for capabilities by name: what a backend offers is this class.
 
-Backends: the Triton kernels on CUDA (``ggml_cuda``), the CPU kernels (``ggml_cpu``);
-``DequantizedBackend`` (a dequantized copy) for a type or activation dtype those do not
-take (Q6_K on the CPU, float32 activations on CUDA); ``ReferenceBackend`` (the torch
-reference, dequantizing per call: the tests' exact oracle). Built per call of
-``backend_for``; no state outside the weights they prepare.
+Backends: the Triton kernels on CUDA (``cuda_backend``), the CPU kernels (``ggml_cpu``);
+here, ``DequantizedBackend`` (a dequantized copy) for a type or activation dtype those do
+not take (Q6_K on the CPU, float32 activations on CUDA) and ``ReferenceBackend`` (the
+torch reference, dequantizing per call: the tests' exact oracle). Built per call of
+``dispatch.backend_for``, which picks among them (this module imports none of them);
+no state outside the weights they prepare.
 """
 
 from __future__ import annotations
@@ -182,20 +183,3 @@ class DequantizedBackend(GgmlBackend):
 
     def embedding(self, w: GgmlWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, w.weight).to(dtype)
-
-
-def backend_for(device: torch.device, t: GgmlType, dtype: torch.dtype) -> GgmlBackend:
-    """The fastest backend on ``device`` that takes ``t`` with ``dtype`` activations."""
-    candidates: list = []
-    if device.type == "cuda":
-        from cvllm.kernels.quant.ggml_cuda import CudaBackend
-
-        candidates += [CudaBackend(), DequantizedBackend()]
-    elif device.type == "cpu":
-        from cvllm.kernels.quant.ggml_cpu import CpuBackend
-
-        candidates += [CpuBackend(), DequantizedBackend()]
-    for backend in candidates:
-        if backend.supports(t, dtype):
-            return backend
-    return ReferenceBackend()

@@ -1,32 +1,22 @@
 """CPU kernels of GGUF (GGML) block-quantized linears, kept quantized in memory.
 
-Built by the GGUF quantization method through ``backend.backend_for`` once per weight after
-loading (``prepare``), then called every step (``linear``, ``embedding``). Stateless apart
-from the weights it prepares; the same on every rank.
+Built by the GGUF quantization method through ``dispatch.backend_for`` once per weight
+after loading (``prepare``), then called every step (``linear``, ``embedding``). Stateless
+apart from the weights it prepares; the same on every rank.
 
 The multiply is torch's own int4 CPU kernel, ``aten._weight_int4pack_mm_for_cpu``
 (AVX-512 / AVX2, no compiler at install time): ``y = x @ W.T`` where each 4-bit code ``v``
 of ``W`` stands for ``scale * (v - 8) + zero`` with a (scale, zero) pair per 32 inputs.
-Every GGML type is first written in an *integer form*, ``w = s * c + z`` with an integer
-``c`` and one (s, z) per 32 inputs, then ``c`` becomes int4 *planes*:
+``ggml_cpu_planes`` writes every GGML type in that form (one int4 plane for the 4-bit
+types, two or three for the others, laid side by side along K: a 2-plane type costs
+about twice a 4-bit one); Q6_K, which no 32-group plane can hold, is kept as a dense copy
+in the activation dtype and multiplied by ``F.linear``.
 
-- ``c`` spans at most 16 values (Q4_0, Q4_1, Q4_K): one plane.
-- ``c`` fits int8 (Q5_*, Q8_0, IQ4_*, Q3_K with its sub-block scale folded into ``c``):
-  two planes, ``c = 16 * (c >> 4) + (c & 15)``; the high nibble gets scale ``16 s``.
-- Q2_K: two planes for ``sc * q`` and one for the sub-block mins (``-dmin * m``).
-- Q6_K (16-element sub-blocks with an 8-bit scale each, which no 32-group int4 plane can
-  hold): a dense copy in the activation dtype, multiplied by ``F.linear``.
-
-The planes of one weight are laid side by side along K, so one kernel call multiplies
-``[x, x, ..]`` (``P * K`` inputs) by all of them: a 2-plane type costs about twice a
-4-bit one. Measured with tools/bench_ggml_cpu.py (torch 2.13, AVX-512 + AMX Xeon, one
-thread's CPU time, weights streamed from L3 as in a decode step), 3072 x 576: one row
-94 us (Q4_1) / 220 us (Q8_0) against 413 us for bf16 ``F.linear`` and 461 us for
-float32; at 16 rows 644 / 1310 us against 448 us for bf16, since the kernel decodes the
-weight again for every 4 rows. Hence ``prepare``'s ``batch_copy`` (a bf16 copy beside the
-planes of a two-plane type, for decode batches from ``BATCH_COPY_FROM_M`` rows, on CPUs
-whose bf16 matmul is fast, AMX or AVX-512 BF16: ``batch_copy_pays``) and ``DEQUANT_MIN_M`` (prefill without a copy: dequantize,
-then oneDNN).
+The kernel decodes the weight again for every 4 rows of ``x``, so batches pay: hence
+``prepare``'s ``batch_copy`` (a bf16 copy beside the planes of a two-plane type, for
+decode batches from ``BATCH_COPY_FROM_M`` rows, on CPUs whose bf16 matmul is fast, AMX
+or AVX-512 BF16: ``batch_copy_pays``) and ``DEQUANT_MIN_M`` (prefill without a copy:
+dequantize, then oneDNN). The measurements behind these: docs/kernels.md.
 
 Precision: the kernel takes bf16 activations, bf16 (scale, zero) pairs and accumulates in
 float32. GGUF's f16 block scales (and Q4_1's ``m + 8 d``, K-quants' ``d * sc``) are rounded
@@ -43,20 +33,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from cvllm.kernels.quant.backend import GgmlBackend, GgmlWeight
-from cvllm.kernels.quant.ggml_types import QK_K, QUANTIZED_TYPES, GgmlType, block_shape
-from cvllm.kernels.quant.reference import (
-    IQ4_LEVELS, _f16, _fields, _k_scale_min, _q3_k_scales, _q5_low_high, _signed,
-    dequantize as _ref_dequantize,
+from cvllm.kernels.quant.ggml_cpu_planes import (
+    DENSE_TYPES, GROUP, ONE_PLANE_TYPES, pack_rows,
 )
-
-GROUP = 32
-"""Inputs per (scale, zero) pair: every supported type has 32-element (sub-)blocks."""
+from cvllm.kernels.quant.ggml_types import QUANTIZED_TYPES, GgmlType, block_shape
+from cvllm.kernels.quant.reference import dequantize as _ref_dequantize
 
 TILE_N = 64
 """Output rows per tile of the AVX-512 int4 kernel's packed layout: N is padded to it so
@@ -64,42 +51,22 @@ that every tile has the same byte layout (which ``_codes_of_rows`` decodes). Oth
 builds of the kernel (AVX2: 32-row tiles) pack differently; ``_tiles_decodable`` finds
 out once, and there ``prepare`` keeps GGUF's bytes for ``dequantize`` / ``embedding``."""
 
-DENSE_TYPES = frozenset({GgmlType.Q6_K})
-"""Types kept as a dense copy in the activation dtype (see the module docstring)."""
-
 DEQUANT_MIN_M = 128
 """From this many rows of ``x`` (prefill), dequantizing the weight (to bf16 on CPUs with
-AMX, float32 on others: ``dequant_dtype``; about 2.5 ns an element on one core) and
-calling ``F.linear`` (oneDNN) beats the int4 kernel,
-whose time grows with every 4 rows because it decodes the weight again for each 4-row
-tile. Measured crossover at this model's shapes: about 120 rows for 1 and 2 planes
-(one thread, 3072 x 576: int4 at 256 rows 9.9 ms, dequantize 4.6 ms + F.linear 0.8 ms)."""
-
-ONE_PLANE_TYPES = frozenset({GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q4_K})
-"""Types whose codes span 16 values: one int4 plane (the others take two, Q2_K three)."""
+AMX, float32 on others: ``dequant_dtype``) and calling ``F.linear`` (oneDNN) beats the
+int4 kernel, whose time grows with every 4 rows because it decodes the weight again for
+each 4-row tile (measured crossover about 120 rows: docs/kernels.md)."""
 
 BATCH_COPY_FROM_M = {"amx": 3, "avx512_bf16": 8}
 """Rows of ``x`` from which a weight of two or more planes multiplies its bf16 copy, by
-the CPU's bf16 matmul (``bf16_matmul_isa``). AMX: measured at 2 threads on the 2-core AMX
-VM (torch 2.13), weights hot in cache: two planes of 3072 x 576 take 108 / 156 us at
-2 / 4 rows against 113 / 116 us for bf16. In a whole decode step, where weights stream
-from memory (about 11 GB/s here), the bf16 copy of a one-plane type reads 3.2x the bytes
-of its plane and gains nothing at 16 rows (default model: 324 against 328 tok/s), so
-those keep none; the Q8_0 LM head of the default model takes 3.9 ms a step with its copy
-against 10.9 ms as two planes. AVX-512 BF16 without AMX (2-vCPU AMD EPYC, 2026-11-29):
-the LM head (49152 x 576, two planes) 3.0 / 6.0 / 11.4 ms at 4 / 8 / 16 rows against
-3.7 / 4.3 / 5.6 ms from its bf16 copy; the default model at 16 streams, three rounds
-alternating: 311.5 / 262.0 / 286.7 tok/s with the copy against 278.7 / 244.5 / 248.1
-without, and copies of the one-plane layers too gained nothing (280.1 / 238.0 / 238.1)."""
+the CPU's bf16 matmul (``bf16_matmul_isa``): where the copy measured faster than the
+planes, per ISA (docs/kernels.md). One-plane types keep no copy: in a whole decode step,
+weights streaming from memory, the copy reads 3.2x the bytes of the plane and gained
+nothing."""
 
 _PREP_ROWS = 8192
 """Rows converted at once in ``prepare``: bounds the int32 code buffer (the LM head's
 49152 rows would take 230 MB at once)."""
-
-# An integer term: codes c [R, E] (int32), scale s and zero z [R, E / 32] (float32, z may
-# be None), and the static range (lo, hi) of c for this type.
-Term = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int, int]
-
 
 @dataclass
 class CpuGgmlWeight(GgmlWeight):
@@ -131,137 +98,6 @@ class CpuGgmlWeight(GgmlWeight):
                    if t is not None)
 
 
-# ------------------------------------------------------------------ integer forms per type
-
-def _int_levels(device: torch.device) -> torch.Tensor:
-    return torch.tensor(IQ4_LEVELS, dtype=torch.int32, device=device)  # [16]
-
-
-def _int_q4_0(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 2:18], 4).reshape(-1, 32).int()  # [R, 32]
-    return [(q - 8, _f16(b, 0), None, -8, 7)]
-
-
-def _int_q4_1(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 4:20], 4).reshape(-1, 32).int()  # [R, 32]
-    return [(q, _f16(b, 0), _f16(b, 2), 0, 15)]
-
-
-def _int_q5_0(b: torch.Tensor) -> List[Term]:
-    q = _q5_low_high(b[:, 6:22], b[:, 2:6]).int()  # [R, 32]
-    return [(q - 16, _f16(b, 0), None, -16, 15)]
-
-
-def _int_q5_1(b: torch.Tensor) -> List[Term]:
-    q = _q5_low_high(b[:, 8:24], b[:, 4:8]).int()  # [R, 32]
-    return [(q, _f16(b, 0), _f16(b, 2), 0, 31)]
-
-
-def _int_q8_0(b: torch.Tensor) -> List[Term]:
-    return [(_signed(b[:, 2:34]).int(), _f16(b, 0), None, -128, 127)]
-
-
-def _int_iq4_nl(b: torch.Tensor) -> List[Term]:
-    q = _fields(b[:, 2:18], 4).reshape(-1, 32).long()  # [R, 32]
-    return [(_int_levels(b.device)[q], _f16(b, 0), None, -127, 113)]
-
-
-def _int_q4_k(b: torch.Tensor) -> List[Term]:
-    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
-    q = _fields(b[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, QK_K).int()  # [R, 256]
-    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
-    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
-    return [(q, s, z, 0, 15)]
-
-
-def _int_q5_k(b: torch.Tensor) -> List[Term]:
-    sc, mn = _k_scale_min(b[:, 4:16])  # [R, 8, 1] each
-    low = _fields(b[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)  # [R, 8, 32]
-    high = _fields(b[:, 16:48], 1)  # [R, 8, 32]
-    q = (low | (high << 4)).reshape(-1, QK_K).int()  # [R, 256]
-    s = (_f16(b, 0).unsqueeze(-1) * sc).squeeze(-1)  # [R, 8]
-    z = -(_f16(b, 2).unsqueeze(-1) * mn).squeeze(-1)  # [R, 8]
-    return [(q, s, z, 0, 31)]
-
-
-def _int_iq4_xs(b: torch.Tensor) -> List[Term]:
-    low = _fields(b[:, 4:8], 4).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
-    high = _fields(b[:, 2:4], 2).transpose(-1, -2).reshape(-1, 8)  # [R, 8]
-    s = _f16(b, 0) * ((low | (high << 4)).float() - 32)  # [R, 8]
-    q = _fields(b[:, 8:136].reshape(-1, 8, 16), 4).reshape(-1, QK_K).long()  # [R, 256]
-    return [(_int_levels(b.device)[q], s, None, -127, 113)]
-
-
-def _int_q3_k(b: torch.Tensor) -> List[Term]:
-    # The 16-element sub-blocks' 6-bit scales are folded into the codes, leaving one f16
-    # scale per 256; negated because (sc - 32) * q spans [-124, 128], one past int8.
-    sc = _q3_k_scales(b[:, 96:108]).unsqueeze(-1)  # [R, 16, 1]
-    low = _fields(b[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # [R, 16, 16]
-    high = _fields(b[:, 0:32], 1).reshape(-1, 16, 16)  # [R, 16, 16]
-    q = low.int() - ((high ^ 1).int() << 2)  # [R, 16, 16]
-    c = -(sc * q).reshape(-1, QK_K)  # [R, 256]
-    return [(c, -_f16(b, 108).expand(-1, 8), None, -128, 124)]
-
-
-def _int_q2_k(b: torch.Tensor) -> List[Term]:
-    # (d * sc) * q - dmin * m per 16 elements: sc * q is an integer (0..45) under one
-    # scale d, and the mins m become a third plane of their own under -dmin.
-    sc = b[:, 0:16].int().unsqueeze(-1)  # [R, 16, 1]
-    q = _fields(b[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16).int()  # [R, 16, 16]
-    c = ((sc & 0xF) * q).reshape(-1, QK_K)  # [R, 256]
-    m = (sc >> 4).expand(-1, 16, 16).reshape(-1, QK_K)  # [R, 256]
-    d, dmin = _f16(b, 80).expand(-1, 8), _f16(b, 82).expand(-1, 8)  # [R, 8]
-    return [(c, d, None, 0, 45), (m, -dmin, None, 0, 15)]
-
-
-_INT_FORMS: Dict[GgmlType, Callable[[torch.Tensor], List[Term]]] = {
-    GgmlType.Q4_0: _int_q4_0, GgmlType.Q4_1: _int_q4_1, GgmlType.Q5_0: _int_q5_0,
-    GgmlType.Q5_1: _int_q5_1, GgmlType.Q8_0: _int_q8_0, GgmlType.IQ4_NL: _int_iq4_nl,
-    GgmlType.Q2_K: _int_q2_k, GgmlType.Q3_K: _int_q3_k, GgmlType.Q4_K: _int_q4_k,
-    GgmlType.Q5_K: _int_q5_k, GgmlType.IQ4_XS: _int_iq4_xs,
-}
-assert set(_INT_FORMS) | DENSE_TYPES == set(QUANTIZED_TYPES)
-
-
-# ------------------------------------------------------------------------ integer -> planes
-
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to bf16 and widened again, so zeros are derived from the scale the
-    kernel will actually use (8 * bf16(d) is then exact, and Q8_0 stays bf16(d) * q)."""
-    return t.to(torch.bfloat16).float()
-
-
-def _term_planes(term: Term, rows: int, cols: int):
-    """One integer term -> its int4 planes: a list of (codes int32 [rows, cols] in 0..15,
-    scale, zero float32 [rows, cols / 32])."""
-    c, s, z, lo, hi = term
-    c = c.reshape(rows, cols)  # [N, K]
-    s = _bf16(s.reshape(rows, cols // GROUP))  # [N, K / G]
-    z = torch.zeros_like(s) if z is None else z.reshape(rows, cols // GROUP)
-    if hi - lo < 16:
-        # w = s * c + z = s * ((c - lo) - 8) + (z + s * (lo + 8))
-        return [(c - lo, s, z + s * (lo + 8))]
-    assert -128 <= lo and hi <= 127, (lo, hi)
-    # c = 16 * (c >> 4) + (c & 15), high nibble signed in [-8, 7]: codes (c >> 4) + 8
-    # under 16 s, and (c & 15) under s with zero z + 8 s.
-    return [((c >> 4) + 8, 16 * s, torch.zeros_like(s)), (c & 15, s, z + 8 * s)]
-
-
-def _pack_rows(raw: torch.Tensor, t: GgmlType, k: int):
-    """``raw uint8 [n, K / B * S]`` (n a multiple of 64) -> (packed uint8 [n, P * K / 2],
-    scales_zeros bf16 [P * K / 32, n, 2], P)."""
-    n = raw.shape[0]
-    elems, nbytes = block_shape(t)
-    terms = _INT_FORMS[t](raw.reshape(-1, nbytes))  # blocks [n * K / B, S]
-    planes = [p for term in terms for p in _term_planes(term, n, k)]
-    codes = torch.cat([p[0] for p in planes], dim=1)  # [n, P * K] int32
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-    scales = torch.cat([p[1] for p in planes], dim=1)  # [n, P * K / G]
-    zeros = torch.cat([p[2] for p in planes], dim=1)  # [n, P * K / G]
-    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [P * K / G, n, 2]
-    return packed, sz.to(torch.bfloat16).contiguous(), len(planes)
-
-
 # ------------------------------------------------------------------------------ public API
 
 def supports(t: GgmlType, dtype: torch.dtype) -> bool:
@@ -286,8 +122,8 @@ def bf16_matmul_isa() -> Optional[str]:
 
 def batch_copy_pays() -> bool:
     """Whether this CPU multiplies bf16 fast (``bf16_matmul_isa``), where a bf16 copy of a
-    two-plane weight multiplies a decode batch faster than the int4 kernel (AMX, 16 rows,
-    3072 x 576: 119 against 311 us; ``BATCH_COPY_FROM_M``). Elsewhere the bf16 matmul runs
+    two-plane weight multiplies a decode batch faster than the int4 kernel
+    (``BATCH_COPY_FROM_M``). Elsewhere the bf16 matmul runs
     on float32 FMAs at about the int4 kernel's speed, so a copy would cost memory for
     nothing."""
     return bf16_matmul_isa() is not None
@@ -302,13 +138,9 @@ def batch_copy_from_m() -> int:
 def dequant_dtype() -> torch.dtype:
     """What a prefill-sized ``x`` (``DEQUANT_MIN_M`` rows) and the weight dequantized for it
     are multiplied in: bf16 where AMX tiles multiply it (``bf16_matmul_isa``), else
-    float32. Without AMX or AVX-512 BF16 a bf16 matmul runs 3-4x slower than float32
-    (2-core Xeon without either, torch 2.13, 128 x 576 by 3072 x 576: bf16 7.6 ms, float32
-    2.1 ms), and the weight dequantized to bf16 then cost the default model 0.87 s of
-    matmuls a 128-token step. With AVX-512 BF16 alone (2-vCPU AMD EPYC, 2026-11-29) that
-    product took 1.31 ms in bf16 against 3.04 ms in float32, but a 1,890-token prefill of
-    the default model took the same either way (4.6 / 5.2 / 4.8 s against 5.3 / 5.2 /
-    4.5 s, alternating), so float32 stays there."""
+    float32. Without AMX or AVX-512 BF16 a bf16 matmul runs 3-4x slower than float32; with
+    AVX-512 BF16 alone the product is faster in bf16 but a whole prefill took the same
+    either way, so float32 stays there (docs/kernels.md)."""
     return torch.bfloat16 if bf16_matmul_isa() == "amx" else torch.float32
 
 
@@ -343,7 +175,7 @@ def prepare(raw: torch.Tensor, t: GgmlType, dtype: torch.dtype,
     n_pad = -(-n // TILE_N) * TILE_N
     if n_pad != n:  # padded rows: zero bytes decode to zero scales, so they add nothing
         raw = torch.cat([raw, raw.new_zeros(n_pad - n, raw.shape[1])])
-    parts = [_pack_rows(raw[i:i + _PREP_ROWS], t, k) for i in range(0, n_pad, _PREP_ROWS)]
+    parts = [pack_rows(raw[i:i + _PREP_ROWS], t, k) for i in range(0, n_pad, _PREP_ROWS)]
     packed = torch.cat([p[0] for p in parts])  # [Np, P * K / 2]
     sz = torch.cat([p[1] for p in parts], dim=1)  # [P * K / G, Np, 2]
     w = CpuGgmlWeight(t, (n, k), dtype, planes=parts[0][2], packed=packed, scales_zeros=sz)

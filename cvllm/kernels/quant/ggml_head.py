@@ -1,14 +1,15 @@
 """The LM head of a GGUF model at one row on CUDA: the int8 GEMV with its largest logits
 recomputed exactly.
 
-An LM head is the largest single weight of a decode step (an 8B model's Q6_K head: 431 MB
-of 4.9 GB) and the float GEMV it took at one row (``ggml_cuda``'s ``exact`` weights) is
-held by its own arithmetic (H200: 180 us, 2.4 TB/s), where the int8 GEMV streams it in
-about 128 us. The int8 GEMV rounds x per 16 or 32 elements, which moves each logit by a
-little; so, as the CPU backend does for its narrower products (``quantization/gguf.py``,
-``REFINE_TOP``), each row's ``REFINE`` largest logits are then recomputed without the
-rounding and written over the rounded ones: greedy choices and the top log-probabilities
-see the exact head, the rest of the distribution the int8 one.
+An LM head is the largest single weight of a decode step (an 8B model's Q6_K head:
+431 MB of 4.9 GB) and the float GEMV it took at one row (``ggml_cuda``'s ``exact``
+weights) is held by its own arithmetic, where the int8 GEMV streams it (about 1.4x faster
+on an H200; docs/kernels.md, ``CVLLM_GGML_INT8_HEAD``). The int8 GEMV rounds x per 16
+or 32 elements, which moves each logit by a little; so, as the CPU backend does for its
+narrower products (``quantization/gguf.py``, ``REFINE_TOP``), each row's ``REFINE``
+largest logits are then recomputed without the rounding and written over the rounded
+ones: greedy choices and the top log-probabilities see the exact head, the rest of the
+distribution the int8 one.
 
 ``head_linear`` does that in four launches, all graph-safe (fixed shapes): the int8 GEMV,
 ``topk_rows`` (two Triton kernels: each program's ``REFINE`` largest of its 2,048
@@ -21,18 +22,17 @@ it is ``ggml_cuda.linear``: the exact float path.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from cvllm.kernels.device import sms_of
 from cvllm.kernels.quant import ggml_cuda as gc
+from cvllm.kernels.quant.ggml_plan import choose_path
+from cvllm.utils import tuning
 
-INT8_HEAD = os.environ.get("CVLLM_GGML_INT8_HEAD", "1").strip() != "0"
-"""Whether an exact weight (an LM head) takes ``head_linear``'s int8 GEMV at one row;
-``CVLLM_GGML_INT8_HEAD=0``: the float GEMV, read once."""
 REFINE = 16
 """Logits a row recomputed exactly (a power of two; the CPU backend's ``REFINE_TOP``)."""
 _BLOCK = 2048
@@ -126,8 +126,8 @@ def takes_int8_head(x: torch.Tensor, w: gc.CudaGgmlWeight) -> bool:
     """Whether ``head_linear`` takes the int8 GEMV for ``x``: one row of a type (and, for
     Q6_K, a shape) the int8 GEMV takes, with at least ``REFINE`` output rows."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (INT8_HEAD and rows == 1 and w.shape[0] >= REFINE
-            and gc.choose_path(1, w.spec, False, w.shape, gc._sms(x)) == "gemv_i8")
+    return (tuning.current().ggml_int8_head and rows == 1 and w.shape[0] >= REFINE
+            and choose_path(1, w.spec, False, w.shape, sms_of(x)) == "gemv_i8")
 
 
 def head_linear(x: torch.Tensor, w: gc.CudaGgmlWeight,
@@ -142,5 +142,5 @@ def head_linear(x: torch.Tensor, w: gc.CudaGgmlWeight,
     idx = topk_rows(y2)  # [1, R]
     # the float GEMV again, on those rows only, at the whole head's tiles: the values the
     # exact path gives them, bit for bit
-    gc._launch_gemv(x.reshape(1, -1), w, bias, y2, None, ids=idx.view(-1))
+    gc.launch_gemv(x.reshape(1, -1), w, bias, y2, None, ids=idx.view(-1))
     return y

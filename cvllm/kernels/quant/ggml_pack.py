@@ -45,13 +45,14 @@ from typing import Dict, Optional
 
 import torch
 
+from cvllm.kernels.quant.ggml_fields import IQ4_LEVELS
 from cvllm.kernels.quant.ggml_types import GgmlType, block_shape
 
 MODE_D, MODE_DM, MODE_DSC, MODE_DSCMN, MODE_Q2K = 0, 1, 2, 3, 4
 """How a sub-block's ``(s, m)`` come from the fields: ``(d, OFF*d)``, ``(d, dm)``,
 ``(d*sc, OFF*d*sc)``, ``(d*sc, -dm*mn)``, ``(d*(sc&15), -dm*(sc>>4))``."""
 
-IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_KVALUES = IQ4_LEVELS
 
 
 @dataclass(frozen=True)

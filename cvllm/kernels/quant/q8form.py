@@ -1,21 +1,19 @@
 """The int8 form of one activation row that the batch-1 GGUF GEMV reads
-(``ggml_cuda._launch_gemv_i8``): made by ``quantize_q8``'s kernel of its own, or carried
+(``ggml_cuda``'s ``gemv_i8`` path): made by ``quantize_q8``'s kernel of its own, or carried
 on the row itself (``attach_q8``) when the kernel that wrote the row wrote that form too
 (the RMSNorm kernel, ``kernels/rmsnorm.py``, ``q8_wps``); the GEMV then skips its own
 rounding, which would give the same bits."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 
 from cvllm.kernels import pdl
-from cvllm.kernels.quant import ggml_kernels as gk
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed before triton compiles
+from cvllm.kernels.device import INTERPRETED
+from cvllm.kernels.quant.ggml_q8 import ggml_q8_kernel
 
 _Q8_ATTR = "ggml_q8"
 """The attribute a tensor carries its int8 form under (``attach_q8``)."""
@@ -60,11 +58,11 @@ def quantize_q8(x2: torch.Tensor, k: int, act: int = 0, wps: int = 4
     """One row ``x2 [1, K]`` (``[1, 2K]`` gate_up with ``act``) in ``ggml_gemv_i8_kernel``'s
     int8 form for weights of ``wps`` words a sub-block: words ``[2, K / 8]`` int32 (one
     run of ``K / 4`` for ``wps`` 8) and steps ``[2, K / 32]`` float32
-    (``ggml_kernels.ggml_q8_kernel``; K a multiple of 32)."""
+    (``ggml_q8.ggml_q8_kernel``; K a multiple of 32)."""
     words, steps = q8_buffers(k, x2.device)
-    gk.ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
+    ggml_q8_kernel[(triton.cdiv(k, Q8_NSUB * 32),)](
         x2, words, steps, k, NSUB=Q8_NSUB, EVEN_K=k % (Q8_NSUB * 32) == 0,
-        ASM=not _INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps,
+        ASM=not INTERPRETED, ACT=act, PDL=pdl.enabled(x2), WPS=wps,
         EARLY=pdl.early_trigger(x2, "q8"), num_warps=4,
         **pdl.launch_args(x2))
     return words, steps
