@@ -90,7 +90,12 @@ def parallel_options(kw: Dict[str, Any]):
 def _run_job(kw: Dict[str, Any], rank0_main: Callable) -> None:
     """Every rank of the job runs this; rank 0 also runs ``rank0_main(rank0)``."""
     from cvllm.runtime.job import run_job
+    from cvllm.utils import tuning
 
+    try:  # a bad CVLLM_* switch stops every rank here, not at its first use
+        tuning.current()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     run_job(parallel_options(kw), engine_options(kw), rank0_main)
 
 

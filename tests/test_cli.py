@@ -69,3 +69,16 @@ def test_generate_offline(default_gguf):
     line = [ln for ln in res.output.splitlines() if ln.startswith("{")][-1]
     rec = json.loads(line)
     assert "Paris" in rec["text"] and rec["num_tokens"] <= 12
+
+
+def test_bad_tuning_switch_fails_before_loading(monkeypatch):
+    """A ``CVLLM_*`` kernel switch with a bad value ends start-up with exit 2 naming the
+    variable, on a CPU run too (where no kernel would ever read it)."""
+    from cvllm.utils import tuning
+
+    monkeypatch.setenv("CVLLM_PDL_EARLY", "qkv,nowhere")
+    monkeypatch.setattr(tuning, "_CURRENT", None)
+    res = CliRunner().invoke(main, ["generate", "--cpu", "--f", "/nonexistent/model.gguf",
+                                    "--prompt", "hi"])
+    assert res.exit_code == 2, res.output
+    assert "CVLLM_PDL_EARLY" in res.output and "Traceback" not in res.output

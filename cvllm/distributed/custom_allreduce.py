@@ -3,7 +3,7 @@ the same fused with the decoder's residual add + RMSNorm.
 
 Used by ``distributed/comm.py`` for the decoder's per-layer all-reduces when the TP
 group is NCCL on GPUs of one host that reach each other peer to peer; set up once per
-rank by ``launch_env`` right after the process groups (``maybe_enable``). Everything
+rank by ``rendezvous`` right after the process groups (``maybe_enable``). Everything
 else (tensors over ``MAX_BYTES``, float32, several nodes, no peer access,
 ``CVLLM_ALLREDUCE=nccl``) stays with NCCL.
 
