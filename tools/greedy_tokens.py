@@ -222,6 +222,15 @@ def _word_tokenizer(folder: Path) -> None:
                             unk_token="t0").save_pretrained(folder)
 
 
+def save_family(name: str, folder: Path) -> dict:
+    """Write family ``name``'s tiny HF model and a tokenizer into ``folder``; the
+    ``LLM`` options to serve it with (``weight_path`` and the family's own)."""
+    build, options = FAMILIES[name]
+    build().save_pretrained(folder, safe_serialization=True)
+    _word_tokenizer(folder)
+    return {"weight_path": str(folder), **options}
+
+
 def _generate(options: dict, tokens: int) -> dict:
     from cvllm.engine.llm import LLM
     from cvllm.sampling_params import SamplingParams
@@ -249,11 +258,7 @@ def run(families: List[str], tokens: int, log=print) -> dict:
             if name == GGUF_FAMILY:
                 record[name] = _generate({"weight_file": str(DEFAULT_GGUF)}, tokens)
             else:
-                build, options = FAMILIES[name]
-                folder = Path(tmp) / name
-                build().save_pretrained(folder, safe_serialization=True)
-                _word_tokenizer(folder)
-                record[name] = _generate({"weight_path": str(folder), **options}, tokens)
+                record[name] = _generate(save_family(name, Path(tmp) / name), tokens)
             log(f"{name}: {time.perf_counter() - t0:.1f} s")
     return record
 
