@@ -1,5 +1,5 @@
 """The blocks every decoder family is made of: the gated MLP, the GQA attention block, the
-decoder layer in its three residual layouts, and the decoder stack.
+decoder layer (whose norms are its residual layout), and the decoder stack.
 
 Built by the model classes (``models/base.DecoderForCausalLM`` and the families on it),
 one set per rank, holding this rank's shards; no block owns a cache: each forward gets
