@@ -118,10 +118,13 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)`` (the
-        RMSNorm contract, so Llama-shaped decoders can swap norms)."""
+        RMSNorm contract, so the shared decoder layers take any norm); ``reduce``: ``x``
+        is a partial sum, summed over the TP group first."""
+        if reduce:
+            x = tensor_model_parallel_all_reduce(x)
         if residual is not None:
             x = x + residual
             residual = x
@@ -159,10 +162,13 @@ class GemmaRMSNorm(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``, the
-        add in the model dtype."""
+        add in the model dtype; ``reduce``: ``x`` is a partial sum, summed over the TP
+        group first."""
+        if reduce:
+            x = tensor_model_parallel_all_reduce(x)
         if _use_triton(x, self.weight, residual):
             from cvllm.kernels.rmsnorm import rms_norm
 

@@ -44,7 +44,9 @@ from cvllm.attention.metadata import RopeInputs
 
 
 class RotaryEmbedding(nn.Module):
-    """Plain rope; subclasses override ``_compute_inv_freq`` (and ``mscale``)."""
+    """Plain rope; subclasses override ``_compute_inv_freq`` (and ``mscale``). A
+    subclass takes this constructor's arguments positionally (``*shape``), then its
+    scaling's by keyword."""
 
     def __init__(
         self,
@@ -204,17 +206,9 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
-    def __init__(
-        self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
-        scaling_factor: float,
-    ):
+    def __init__(self, *shape, scaling_factor: float):
         self.scaling_factor = float(scaling_factor)
-        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        super().__init__(*shape)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         return self._base_inv_freq(self.base) / self.scaling_factor
@@ -225,17 +219,13 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
 
     def __init__(
         self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
+        *shape,
         scaling_factor: float,
         original_max_position: int,
     ):
         self.scaling_factor = float(scaling_factor)
         self.original_max_position = int(original_max_position)
-        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        super().__init__(*shape)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         f, dim = self.scaling_factor, self.rotary_dim
@@ -252,11 +242,7 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
 class Llama3RotaryEmbedding(RotaryEmbedding):
     def __init__(
         self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
+        *shape,
         scaling_factor: float,
         low_freq_factor: float,
         high_freq_factor: float,
@@ -266,7 +252,7 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         self.low_freq_factor = float(low_freq_factor)
         self.high_freq_factor = float(high_freq_factor)
         self.original_max_position = int(original_max_position)
-        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        super().__init__(*shape)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         inv_freq = self._base_inv_freq(self.base)
@@ -284,11 +270,7 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
 class YaRNScalingRotaryEmbedding(RotaryEmbedding):
     def __init__(
         self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
+        *shape,
         scaling_factor: float,
         original_max_position: int,
         beta_fast: float = 32,
@@ -304,7 +286,7 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
         self._attention_factor = _yarn_attention_factor(
             self.scaling_factor, attention_factor, mscale, mscale_all_dim
         )
-        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        super().__init__(*shape)
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
         self.mscale = self._attention_factor
@@ -338,17 +320,14 @@ class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
 
     def __init__(
         self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
+        *shape,
         short_factor,
         long_factor,
         original_max_position: int,
         scaling_factor: float,
         attention_factor: Optional[float] = None,
     ):
+        _, rotary_dim, max_position_embeddings = shape[:3]
         for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
             if factors is None or len(factors) != rotary_dim // 2:
                 raise ValueError(
@@ -365,7 +344,7 @@ class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
                 math.sqrt(1 + math.log(f) / math.log(self.original_max_position)) if f > 1 else 1.0
             )
         self._attention_factor = float(attention_factor)
-        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        super().__init__(*shape)
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
         self.mscale = self._attention_factor

@@ -25,26 +25,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from cvllm.attention.metadata import AttentionMetadata
 from cvllm.attention.specs import MLASpec
 from cvllm.config import ModelConfig
-from cvllm.layers.activation import get_act_and_mul_fn
-from cvllm.layers.embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
-from cvllm.layers.layernorm import RMSNorm
-from cvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from cvllm.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from cvllm.layers.moe import FusedMoE, select_experts
-from cvllm.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from cvllm.layers.utils import torch_dtype
+from cvllm.layers.rotary import get_rope, rope_parameters_from_config
 from cvllm.models import utils as model_utils
-from cvllm.models.moe_utils import load_moe_model_weights
+from cvllm.models.base import DecoderForCausalLM, LayerPlan
+from cvllm.models.blocks import GatedMLP, GQAOptions
 from cvllm.quantization.base import QuantizationConfig
-from cvllm.models.base import CausalLMBase
 
 
 @dataclass(frozen=True)
@@ -59,35 +53,6 @@ class DeepseekVariant:
     """Route within the ``topk_group`` best of ``n_group`` expert groups."""
     rope_interleave: bool
     """Rope on interleaved pairs (x0, x1), (x2, x3)... rather than rotate-half."""
-
-
-class DeepseekV2MLP(nn.Module):
-    """SwiGLU MLP: the dense layers, and the shared experts of a MoE layer."""
-
-    def __init__(
-        self, hidden: int, inter: int, act: str, bias: bool, dtype, quant_config, prefix: str
-    ):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden,
-            [inter, inter],
-            bias=bias,
-            params_dtype=dtype,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate_up_proj",
-        )
-        self.down_proj = RowParallelLinear(
-            inter,
-            hidden,
-            bias=bias,
-            params_dtype=dtype,
-            quant_config=quant_config,
-            prefix=f"{prefix}.down_proj",
-        )
-        self.act_fn = get_act_and_mul_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act_fn=self.act_fn)  # [T, hidden]
 
 
 class DeepseekRouter(nn.Module):
@@ -131,15 +96,8 @@ class DeepseekV2MoE(nn.Module):
         )
         n_shared = int(config.get("n_shared_experts") or 0)
         self.shared_experts = (
-            DeepseekV2MLP(
-                hidden,
-                inter * n_shared,
-                act,
-                bool(config.get("mlp_bias", False)),
-                dtype,
-                quant_config,
-                f"{prefix}.shared_experts",
-            )
+            GatedMLP(hidden, inter * n_shared, act, dtype, quant_config,
+                     f"{prefix}.shared_experts", bias=bool(config.get("mlp_bias", False)))
             if n_shared
             else None
         )
@@ -168,109 +126,8 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
     return layer_idx >= first_dense and layer_idx % int(config.get("moe_layer_freq") or 1) == 0
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        variant: DeepseekVariant,
-        rotary_emb: RotaryEmbedding,
-        layer_idx: int,
-        dtype,
-        quant_config,
-        prefix: str,
-    ):
-        super().__init__()
-        hidden, eps = config.get("hidden_size"), float(config.get("rms_norm_eps", 1e-6))
-        nope, rope = int(config.get("qk_nope_head_dim")), int(config.get("qk_rope_head_dim"))
-        q_lora = config.get("q_lora_rank")
-        self.self_attn = MultiHeadLatentAttention(
-            hidden,
-            config.num_heads,
-            nope,
-            rope,
-            int(config.get("v_head_dim")),
-            int(q_lora) if q_lora else None,
-            int(config.get("kv_lora_rank")),
-            rotary_emb,
-            mla_softmax_scale(nope + rope, rope_parameters_from_config(config.hf_config)),
-            bool(config.get("attention_bias", False)),
-            dtype,
-            quant_config,
-            f"{prefix}.self_attn",
-        )
-        if is_moe_layer(config, layer_idx):
-            self.mlp = DeepseekV2MoE(config, variant, dtype, quant_config, f"{prefix}.mlp")
-        else:
-            self.mlp = DeepseekV2MLP(
-                hidden,
-                config.get("intermediate_size"),
-                config.get("hidden_act", "silu"),
-                bool(config.get("mlp_bias", False)),
-                dtype,
-                quant_config,
-                f"{prefix}.mlp",
-            )
-        self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-
-    def forward(self, positions, hidden_states, residual, kv_cache, attn_metadata):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class DeepseekV2Model(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        variant: DeepseekVariant,
-        dtype,
-        quant_config,
-        prefix: str = "model",
-    ):
-        super().__init__()
-        hidden = config.get("hidden_size")
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, dtype, prefix=f"{prefix}.embed_tokens",
-            quant_config=quant_config
-        )
-        rope_dim = int(config.get("qk_rope_head_dim"))
-        rotary_emb = get_rope(
-            rope_dim,
-            config.max_model_len,
-            rope_parameters_from_config(config.hf_config),
-            config.native_max_len,
-            is_neox_style=not variant.rope_interleave,
-        )
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(
-                config, variant, rotary_emb, i, dtype, quant_config, f"{prefix}.layers.{i}"
-            )
-            for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)), dtype)
-
-    def forward(
-        self, input_ids, positions, attn_metadata: AttentionMetadata, kv_caches: Sequence
-    ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class DeepseekV2ForCausalLM(CausalLMBase):
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    has_experts = True
     # HF checkpoint parts fused into one parameter here: (param part, checkpoint part, shard_id)
     stacked_params_mapping = [
         (".gate_up_proj", ".gate_proj", 0),
@@ -284,23 +141,45 @@ class DeepseekV2ForCausalLM(CausalLMBase):
         "rotary_emb.sin_cached",
     )
 
-    def __init__(
-        self, model_config: ModelConfig, quant_config: Optional[QuantizationConfig] = None
-    ):
-        super().__init__()
-        self.config = model_config
-        self.dtype = torch_dtype(model_config.dtype)
+    def __init__(self, model_config: ModelConfig,
+                 quant_config: Optional[QuantizationConfig] = None):
+        super().__init__(model_config, quant_config)
         self.variant = self.variant_of(model_config)
-        self.model = DeepseekV2Model(model_config, self.variant, self.dtype, quant_config)
-        hidden = model_config.get("hidden_size")
-        self.tie_word_embeddings = bool(model_config.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(
-            model_config.vocab_size, hidden, params_dtype=self.dtype, prefix="lm_head",
-            quant_config=quant_config
+
+    def layer_plans(self, config: ModelConfig) -> List[LayerPlan]:
+        rope = get_rope(int(config.get("qk_rope_head_dim")), config.max_model_len,
+                        rope_parameters_from_config(config.hf_config), config.native_max_len,
+                        is_neox_style=not self.variant_of(config).rope_interleave)
+        return [LayerPlan(rope)] * config.num_layers
+
+    def make_attention(self, config: ModelConfig, plan: LayerPlan, options: GQAOptions,
+                       dtype: torch.dtype, quant_config: Optional[QuantizationConfig],
+                       prefix: str) -> nn.Module:
+        nope, rope = int(config.get("qk_nope_head_dim")), int(config.get("qk_rope_head_dim"))
+        q_lora = config.get("q_lora_rank")
+        return MultiHeadLatentAttention(
+            config.get("hidden_size"),
+            config.num_heads,
+            nope,
+            rope,
+            int(config.get("v_head_dim")),
+            int(q_lora) if q_lora else None,
+            int(config.get("kv_lora_rank")),
+            plan.rotary_emb,
+            mla_softmax_scale(nope + rope, rope_parameters_from_config(config.hf_config)),
+            bool(config.get("attention_bias", False)),
+            dtype,
+            quant_config,
+            prefix,
         )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(model_config.vocab_size)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 quant_config: Optional[QuantizationConfig], prefix: str) -> nn.Module:
+        if is_moe_layer(config, layer_idx):
+            return DeepseekV2MoE(config, self.variant_of(config), dtype, quant_config, prefix)
+        return GatedMLP(config.get("hidden_size"), config.get("intermediate_size"),
+                        config.get("hidden_act", "silu"), dtype, quant_config, prefix,
+                        bias=bool(config.get("mlp_bias", False)))
 
     @staticmethod
     def variant_of(config: ModelConfig) -> DeepseekVariant:
@@ -324,16 +203,12 @@ class DeepseekV2ForCausalLM(CausalLMBase):
         """Load HF-named tensors (experts per expert or stacked; ``kv_b_proj`` fused or as
         llama.cpp's ``k_b_proj`` / ``v_b_proj``); raises ``WeightLoadError`` listing unknown
         or missing ones."""
-        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        seen = load_moe_model_weights(
-            self,
-            _canonical(weights, self.config.num_layers),
-            self.stacked_params_mapping,
-            self.ignored_weight_substrings,
-            skip,
-        )
+        seen = super().load_weights(weights)
         self._after_loading()
         return seen
+
+    def checkpoint_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator:
+        return _canonical(weights, self.config.num_layers)
 
     def init_dummy_weights(self, seed: int) -> None:
         model_utils.init_dummy_weights(self, seed)

@@ -4,24 +4,26 @@ a decode CUDA graph.
 Built once by the worker (``ModelRunner``: ``build_flat_decoder``) from a loaded model
 that qualifies; called instead of the model's forward for CPU steps in which every
 sequence decodes one token. Holds no state of its own: the weights, norms, rotation and
-attention backend it calls belong to the model's modules, bound here once.
+attention backend it calls belong to the model's blocks (``models/blocks.py``), bound
+here once.
 
 Why: a small model's decode step on the CPU is mostly per-op cost, not arithmetic. The
 default model's 30 layers of 576 columns spend about 0.12 ms a layer in the int4 matmuls
 and three times that in the module path around them: module calls, the linear -> quant
 method -> backend dispatch, per-call checks, about 57 torch ops a layer. This loop calls
-the same functions in the same order (each module's ``host_*`` callable: the linears'
-``host_linear`` (the down projection's with the gated activation, as its forward applies
-it), ``RMSNorm.host_fn``, ``RotaryEmbedding.host_rotation`` computed once a step, the
-attention's own ``qk_maps``, the attention backend's ``forward``), so its outputs are
-bit-identical to the module path (``tests/models/test_flat_decode.py``) at about two
-thirds of the time (``docs/quantization.md``).
+the same functions in the same order as the blocks' forwards (each block's ``host_*``
+callable: the linears' ``host_linear`` (the down projection's with the gated activation,
+as ``GatedMLP`` applies it), ``RMSNorm.host_fn``, ``RotaryEmbedding.host_rotation``
+computed once a step, the attention block's own ``qk_maps``, the attention backend's
+``forward``), so its outputs are bit-identical to the module path at about two thirds of
+the time (``docs/quantization.md``); ``tests/models/test_flat_decode.py`` compares the two
+at every decode step for every family that qualifies, and checks which do.
 
-Eligible: ``LlamaForCausalLM`` models whose decoder layers, MLP, norms and rotation run the
-Llama code unchanged, and whose attention runs the forward it declares as its
-``flat_forward`` (Llama's: Llama, Mistral, Qwen2 and others that only change
-construction; Qwen3's, with per-head q/k norms as its ``qk_maps``), on one rank (no
-tensor-parallel reduction inside a layer), with the torch reference attention backend.
+Eligible: a ``DecoderModel`` (no embedding scale) of ``DecoderLayer``s in the sequential
+layout (``input_norm`` and ``mlp_norm`` only) whose parts are the shared blocks running
+their own code: ``GQAAttention`` without an output gate (its q/k norms, if any, through
+``qk_maps``), ``GatedMLP``, RMSNorms, the plain rotation; on one rank (no tensor-parallel reduction inside a layer),
+with the torch reference attention backend. Today: Llama, Mistral, Phi-3, Qwen2, Qwen3.
 Anything else keeps its forward (``build_flat_decoder`` returns None). A decision made
 on the classes' code, so a subclass that overrides one of those methods is refused.
 """
@@ -40,9 +42,7 @@ from cvllm.layers.attention import Attention
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.rotary import RotaryEmbedding
 from cvllm.models.base import CausalLMBase
-from cvllm.models.llama import (
-    LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
-)
+from cvllm.models.blocks import DecoderLayer, DecoderModel, GatedMLP, GQAAttention
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -75,33 +75,38 @@ cos / sin cache)."""
 def build_flat_decoder(model: torch.nn.Module) -> Optional["FlatDecoder"]:
     """A flat decoder of ``model`` (loaded, on the CPU), or None where its code differs
     from what the loop reproduces (the module docstring)."""
-    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not CausalLMBase.forward:
+    if not isinstance(model, CausalLMBase) or type(model).forward is not CausalLMBase.forward:
         return None
     stack = model.model
-    if type(stack).forward is not LlamaModel.forward or not len(stack.layers):
+    if not isinstance(stack, DecoderModel) or type(stack).forward is not DecoderModel.forward:
         return None
-    if stack.norm.weight.device.type != "cpu" or type(stack.norm) is not RMSNorm:
+    if not len(stack.layers) or stack.embed_scale is not None or type(stack.norm) is not RMSNorm:
         return None
-    rotary = stack.layers[0].self_attn.rotary_emb
-    if not all(_plain_layer(layer) and layer.self_attn.rotary_emb is rotary
-               for layer in stack.layers):
+    if stack.norm.weight.device.type != "cpu" or not all(map(_plain_layer, stack.layers)):
+        return None
+    rotary = stack.layers[0].attention.rotary_emb
+    if not all(layer.attention.rotary_emb is rotary for layer in stack.layers):
         return None
     return FlatDecoder(stack)
 
 
 def _plain_layer(layer) -> bool:
-    """Whether ``layer`` computes exactly what ``LlamaDecoderLayer`` does, on one rank."""
-    if type(layer).forward is not LlamaDecoderLayer.forward or layer.defer_reduce:
+    """Whether ``layer`` is a ``DecoderLayer`` of plain blocks on one rank (the module
+    docstring), whose forward the loop reproduces."""
+    if type(layer).forward is not DecoderLayer.forward or layer.defer_reduce:
         return False
-    attn, mlp = layer.self_attn, layer.mlp  # what that forward calls
-    if not isinstance(attn, LlamaAttention) or type(attn).forward is not type(attn).flat_forward:
+    if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
         return False
-    if type(mlp).forward is not LlamaMLP.forward or type(attn.attn) is not Attention:
+    attn, mlp = layer.attention, layer.mlp  # what that forward calls
+    if not isinstance(attn, GQAAttention) or type(attn).forward is not GQAAttention.forward:
+        return False
+    if attn.output_gate or type(attn.attn) is not Attention:
+        return False
+    if not isinstance(mlp, GatedMLP) or type(mlp).forward is not GatedMLP.forward:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     rot = type(attn.rotary_emb)
-    return (all(type(n) is RMSNorm for n in (layer.input_layernorm,
-                                             layer.post_attention_layernorm))
+    return (all(type(n) is RMSNorm for n in (layer.input_norm, layer.mlp_norm))
             and all(lin.tp_size == 1 for lin in linears)
             and all(getattr(rot, m) is getattr(RotaryEmbedding, m) for m in _ROTARY_METHODS)
             and attn.attn.backend.name == "torch_ref")
@@ -112,20 +117,20 @@ class FlatDecoder:
     for a pure-decode CPU step (``[T, hidden]``, the last norm applied). Built by
     ``build_flat_decoder``, which checks that ``model`` qualifies."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         self.embed = model.embed_tokens
         self.final_norm = model.norm.host_fn()
-        self.rotary = model.layers[0].self_attn.rotary_emb
+        self.rotary = model.layers[0].attention.rotary_emb
         self.layers: List[_FlatLayer] = [self._bind(layer) for layer in model.layers]
 
     @staticmethod
-    def _bind(layer) -> _FlatLayer:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _bind(layer: DecoderLayer) -> _FlatLayer:
+        attn, mlp = layer.attention, layer.mlp
         a = attn.attn
         q_map, k_map = attn.qk_maps()
         return _FlatLayer(
-            input_norm=layer.input_layernorm.host_fn(),
-            post_norm=layer.post_attention_layernorm.host_fn(),
+            input_norm=layer.input_norm.host_fn(),
+            post_norm=layer.mlp_norm.host_fn(),
             qkv=attn.qkv_proj.quant_method.host_linear(attn.qkv_proj),
             o=attn.o_proj.quant_method.host_linear(attn.o_proj),
             gate_up=mlp.gate_up_proj.quant_method.host_linear(mlp.gate_up_proj),
@@ -154,7 +159,7 @@ class FlatDecoder:
     @staticmethod
     def _attention(lay: _FlatLayer, x: torch.Tensor, rotate: Fn, kv_cache: KVCache,
                    meta: AttentionMetadata) -> torch.Tensor:
-        """The attention's ``flat_forward`` of normed rows ``x [T, hidden]``."""
+        """``GQAAttention.forward`` of normed rows ``x [T, hidden]``."""
         qkv = lay.qkv(x)  # [T, (H + 2 Hkv) * D]
         T, D = qkv.shape[0], lay.head_dim
         qk_cols, q_cols = (lay.heads + lay.kv_heads) * D, lay.heads * D

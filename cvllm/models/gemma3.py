@@ -24,7 +24,7 @@ weights are skipped with one log line.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 
@@ -120,5 +120,5 @@ def gemma3_text_weights(
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The language model of a multimodal Gemma 3 checkpoint; text-only prompts."""
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        return super().load_weights(gemma3_text_weights(weights))
+    def checkpoint_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator:
+        return gemma3_text_weights(weights)

@@ -1,6 +1,6 @@
 """Qwen2 decoder (Qwen2ForCausalLM: Qwen2/2.5, QwQ, DeepSeek-R1-Distill-Qwen).
 
-Llama's decoder (``llama.py``) with two differences, as in transformers' ``Qwen2Attention``:
+Llama's decoder (``llama.py``) declaring two differences, as in transformers' ``Qwen2Attention``:
 q/k/v projections always carry a bias and o_proj never does (fixed by the architecture,
 not by a config flag), and layers listed as ``sliding_attention`` attend only to the last
 ``sliding_window`` tokens. Built by the worker on every rank like every model class.
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
+
 from cvllm.config import ModelConfig
-from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from cvllm.models.blocks import GQAOptions
+from cvllm.models.llama import LlamaForCausalLM
 
 
 def qwen_sliding_windows(config: ModelConfig) -> List[Optional[int]]:
@@ -34,25 +37,9 @@ def qwen_sliding_windows(config: ModelConfig) -> List[Optional[int]]:
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
-class Qwen2Attention(LlamaAttention):
-    def __init__(self, config, rotary_emb, dtype, quant_config, prefix, sliding_window):
-        super().__init__(
-            config, rotary_emb, dtype, quant_config, prefix, sliding_window,
-            qkv_bias=True, o_bias=False,
-        )
-
-
-class Qwen2DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen2Attention
-
-
-class Qwen2Model(LlamaModel):
-    decoder_layer_cls = Qwen2DecoderLayer
-
-
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen2Model
+    def attention_options(self, config: ModelConfig, dtype: torch.dtype) -> GQAOptions:
+        return GQAOptions(qkv_bias=True, o_bias=False)
 
-    @staticmethod
-    def _sliding_window(model_config: ModelConfig) -> List[Optional[int]]:
-        return qwen_sliding_windows(model_config)
+    def sliding_windows(self, config: ModelConfig) -> List[Optional[int]]:
+        return qwen_sliding_windows(config)

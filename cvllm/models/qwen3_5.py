@@ -10,22 +10,22 @@ checkpoints is not served (its tensors are ignored when present).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from cvllm.attention.metadata import AttentionMetadata
 from cvllm.config import ModelConfig
-from cvllm.layers.gated_deltanet import GatedDeltaNet, LinearAttnState
+from cvllm.layers.gated_deltanet import LinearAttnState
 from cvllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from cvllm.models.qwen3_next import Qwen3NextForCausalLM
+from cvllm.models.qwen3_next import (ConfiguredGatedDeltaNet, Qwen3NextForCausalLM,
+                                     linear_attn_dims)
 
 
-class Qwen3_5GatedDeltaNet(GatedDeltaNet):
+class Qwen3_5GatedDeltaNet(ConfiguredGatedDeltaNet):
     def __init__(self, config: ModelConfig, dtype, quant_config, prefix: str):
-        hk, hv = int(config.get("linear_num_key_heads")), int(config.get("linear_num_value_heads"))
-        dk, dv = int(config.get("linear_key_head_dim")), int(config.get("linear_value_head_dim"))
-        super().__init__(hk, hv, dk, dv, int(config.get("linear_conv_kernel_dim")),
-                         float(config.get("rms_norm_eps", 1e-6)),
-                         config.get("hidden_act", "silu"), dtype)
+        super().__init__(config, dtype)
+        hk, hv, dk, dv = linear_attn_dims(config)
         hidden = config.get("hidden_size")
         common = dict(bias=False, params_dtype=dtype, quant_config=quant_config)
         # Split as q | k | v so that each rank gets its heads of each.
@@ -37,8 +37,9 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
                                                      prefix=f"{prefix}.in_proj_ba", **common)
         self.out_proj = RowParallelLinear(hv * dv, hidden, prefix=f"{prefix}.out_proj", **common)
 
-    def forward(self, hidden_states: torch.Tensor, state: LinearAttnState,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: Optional[torch.Tensor], hidden_states: torch.Tensor,
+                state: LinearAttnState, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """A decoder layer's mixer (``positions`` unused: no rope here)."""
         mixed_qkv = self.in_proj_qkv(hidden_states)  # [T, 2*Hk*Dk + Hv*Dv]
         z = self.in_proj_z(hidden_states)  # [T, Hv*Dv]
         b, a = self.in_proj_ba(hidden_states).chunk(2, dim=-1)  # [T, Hv] each

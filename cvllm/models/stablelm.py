@@ -1,6 +1,6 @@
 """StableLM decoder (StableLmForCausalLM: StableLM-3B-4E1T, StableLM-2, StableCode).
 
-Llama's decoder (``llama.py``) with, as in transformers' ``StableLmDecoderLayer``:
+Llama's decoder (``llama.py``) declaring, as in transformers' ``StableLmDecoderLayer``:
 LayerNorms with bias instead of RMSNorm (``layer_norm_eps``); q/k/v bias only when
 ``use_qkv_bias``, never on o_proj; rope on the first ``partial_rotary_factor`` of each
 head; with ``qk_layernorm`` a bias-free LayerNorm per head with its own weight on q and
@@ -17,88 +17,17 @@ parameter's weight_loader (``layers/layernorm.PerHeadLayerNorm``) keeps this ran
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, Tuple
 
 import torch
 
-from cvllm.attention.kv_cache import KVCache
-from cvllm.attention.metadata import AttentionMetadata
 from cvllm.config import ModelConfig
 from cvllm.layers.layernorm import LayerNorm, PerHeadLayerNorm
 from cvllm.layers.utils import as_tensor
-from cvllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from cvllm.models.base import LayerPlan
+from cvllm.models.blocks import LLAMA_LAYER, GQAOptions, LayerNames
+from cvllm.models.llama import LlamaForCausalLM
 from cvllm.models.phi import reset_layernorms_
-
-
-class StableLmAttention(LlamaAttention):
-    def __init__(self, config, rotary_emb, dtype, quant_config, prefix, sliding_window):
-        super().__init__(
-            config, rotary_emb, dtype, quant_config, prefix, sliding_window,
-            qkv_bias=bool(config.get("use_qkv_bias", False)), o_bias=False,
-        )
-        if config.get("qk_layernorm", False):
-            eps, qkv = float(config.get("layer_norm_eps", 1e-5)), self.qkv_proj
-            self.q_layernorm = PerHeadLayerNorm(qkv.q_head_ids, self.head_dim, eps, dtype)
-            self.k_layernorm = PerHeadLayerNorm(qkv.kv_head_ids, self.head_dim, eps, dtype)
-        else:
-            self.q_layernorm = self.k_layernorm = None
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2*Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        # The backend rotates q and k (in place) together with its K/V cache write.
-        out = self.attn(q, k, v, kv_cache, attn_metadata, positions, self.rotary_emb)  # [T, H*D]
-        return self.o_proj(out)  # [T, hidden]
-
-
-class StableLmDecoderLayer(LlamaDecoderLayer):
-    attention_cls = StableLmAttention
-    reduce_in_norm = False  # LayerNorms, and the parallel residual adds before any norm
-
-    def __init__(self, config, rotary_emb, dtype, quant_config, prefix, sliding_window):
-        super().__init__(config, rotary_emb, dtype, quant_config, prefix, sliding_window)
-        hidden, eps = config.get("hidden_size"), float(config.get("layer_norm_eps", 1e-5))
-        self.input_layernorm = LayerNorm(hidden, eps, dtype)
-        parallel = bool(config.get("use_parallel_residual", False))
-        self.post_attention_layernorm = None if parallel else LayerNorm(hidden, eps, dtype)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Llama's contract: returns ``(delta, residual)``; the next norm adds them."""
-        if residual is None:
-            residual = hidden_states
-            h = self.input_layernorm(hidden_states)
-        else:
-            h, residual = self.input_layernorm(hidden_states, residual)
-        attn = self.self_attn(positions, h, kv_cache, attn_metadata)  # [T, hidden]
-        if self.post_attention_layernorm is None:  # parallel residual
-            return attn + self.mlp(h), residual
-        h, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(h), residual
-
-
-class StableLmModel(LlamaModel):
-    decoder_layer_cls = StableLmDecoderLayer
-
-    def __init__(self, config: ModelConfig, dtype, quant_config, sliding_window=None,
-                 prefix: str = "model"):
-        super().__init__(config, dtype, quant_config, sliding_window, prefix)
-        eps = float(config.get("layer_norm_eps", 1e-5))
-        self.norm = LayerNorm(config.get("hidden_size"), eps, dtype)
 
 
 _PER_HEAD_NORM = re.compile(r"(.*\.[qk]_layernorm)\.norms\.(\d+)\.weight")
@@ -130,11 +59,25 @@ def stack_per_head_norms(
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
-    model_cls = StableLmModel
+    norm_cls = LayerNorm
+    norm_eps = ("layer_norm_eps", 1e-5)
+    reduce_in_norm = False  # LayerNorms, and the parallel residual adds before any norm
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+    def names_of(self, config: ModelConfig, plan: LayerPlan) -> LayerNames:
+        if config.get("use_parallel_residual"):  # no mlp_norm: the parallel residual
+            return LLAMA_LAYER[:3]
+        return LLAMA_LAYER
+
+    def attention_options(self, config: ModelConfig, dtype: torch.dtype) -> GQAOptions:
+        eps = float(config.get("layer_norm_eps", 1e-5))
+        qk_norm = (lambda head_dim, heads: PerHeadLayerNorm(heads, head_dim, eps, dtype))
+        return GQAOptions(qkv_bias=bool(config.get("use_qkv_bias", False)), o_bias=False,
+                          qk_norm=qk_norm if config.get("qk_layernorm", False) else None,
+                          qk_norm_names=("q_layernorm", "k_layernorm"))
+
+    def checkpoint_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator:
         cfg = self.config
-        return super().load_weights(stack_per_head_norms(weights, cfg.num_heads, cfg.num_kv_heads))
+        return stack_per_head_norms(weights, cfg.num_heads, cfg.num_kv_heads)
 
     def init_dummy_weights(self, seed: int) -> None:
         super().init_dummy_weights(seed)

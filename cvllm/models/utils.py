@@ -6,7 +6,7 @@ parameter's own ``weight_loader`` (set by its layer) cuts this rank's shard.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -24,49 +24,72 @@ class WeightLoadError(ValueError):
     message lists them by their checkpoint (HF) names."""
 
 
+class ExpertLoader(Protocol):
+    """Loads a model's fused expert tensors (``models/moe_utils.ExpertWeights``)."""
+
+    def load(self, params: Dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> bool:
+        """Load ``name`` if it is an expert tensor of one of ``params``; whether it was."""
+
+    def missing(self, params: Dict[str, nn.Parameter], seen: Set[str],
+                mapping: StackedParamsMapping) -> List[str]:
+        """Checkpoint names still needed, sorted (the dense ones as ``missing_names``)."""
+
+
 def load_weights_with_mapping(
     model: nn.Module,
     weights: Iterable[Tuple[str, torch.Tensor]],
     stacked_params_mapping: StackedParamsMapping,
     ignore_substrings: Sequence[str] = (),
     skip_names: Sequence[str] = (),
+    experts: Optional[ExpertLoader] = None,
 ) -> Set[str]:
-    """Load HF-named tensors into ``model``: names containing a checkpoint part of
-    ``stacked_params_mapping`` go to the fused parameter with their ``shard_id``, the rest
-    by name. Raises ``WeightLoadError`` on unknown or missing tensors; returns the names
-    loaded. Ends with every layer's ``process_weights_after_loading``."""
+    """Load HF-named tensors into ``model``: expert tensors through ``experts`` (MoE
+    models), names containing a checkpoint part of ``stacked_params_mapping`` to the fused
+    parameter with their ``shard_id``, the rest by name. Raises ``WeightLoadError`` on
+    unknown or missing tensors (with ``experts``, the first 20 missing named); returns the
+    names loaded. Ends with every layer's ``process_weights_after_loading``."""
     params = dict(model.named_parameters())
     seen: Set[str] = set()
     unknown: List[str] = []
     for name, tensor in weights:
         if name in skip_names or any(s in name for s in ignore_substrings):
             continue
-        target, shard_id = name, None
-        for param_part, ckpt_part, sid in stacked_params_mapping:
-            if ckpt_part in name:
-                target, shard_id = name.replace(ckpt_part, param_part), sid
-                break
-        param = params.get(target)
-        if param is None:
+        if not ((experts is not None and experts.load(params, name, tensor))
+                or load_mapped(params, name, tensor, stacked_params_mapping)):
             unknown.append(name)
             continue
-        _load_one(param, tensor, shard_id, name)
         seen.add(name)
     if unknown:
         raise WeightLoadError(
             f"checkpoint has {len(unknown)} tensor(s) the model does not know: "
             f"{', '.join(sorted(unknown))}"
         )
-    missing = _missing(params, seen, stacked_params_mapping)
+    if experts is None:
+        missing = shown = missing_names(params, seen, stacked_params_mapping)
+    else:
+        missing = experts.missing(params, seen, stacked_params_mapping)
+        shown = missing[:20]
     if missing:
+        more = " ..." if len(shown) < len(missing) else ""
         raise WeightLoadError(
-            f"checkpoint lacks {len(missing)} tensor(s) the model needs: {', '.join(missing)}"
+            f"checkpoint lacks {len(missing)} tensor(s) the model needs: {', '.join(shown)}{more}"
         )
     process_weights_after_loading(model)
     return seen
 
 
-def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
+def load_mapped(params: Dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+                mapping: StackedParamsMapping) -> bool:
+    """Load checkpoint tensor ``name`` into its parameter (fused ones through
+    ``mapping``, with their shard id); False when the model has no such parameter."""
+    target, shard_id = name, None
+    for param_part, ckpt_part, sid in mapping:
+        if ckpt_part in name:
+            target, shard_id = name.replace(ckpt_part, param_part), sid
+            break
+    param = params.get(target)
+    if param is None:
+        return False
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         if shard_id is None:
@@ -75,11 +98,13 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) ->
             loader(param, tensor, shard_id)
     except ValueError as e:
         raise WeightLoadError(f"{name}: {e}") from e
+    return True
 
 
-def _missing(params: dict, seen: Set[str], mapping: StackedParamsMapping) -> List[str]:
-    """Checkpoint names still needed: a fused parameter is satisfied by its pre-fused name
-    or by all of its parts."""
+def missing_names(params: Dict[str, nn.Parameter], seen: Set[str],
+                  mapping: StackedParamsMapping) -> List[str]:
+    """Checkpoint names still needed, sorted: a fused parameter is satisfied by its
+    pre-fused name or by all of its parts."""
     missing: List[str] = []
     for pname in params:
         parts = [pname.replace(p, c) for p, c, _ in mapping if p in pname]

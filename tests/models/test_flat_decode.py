@@ -5,15 +5,15 @@ same slots), and the two hidden states must be equal (``torch.equal``: the loop 
 same functions in the same order, so no tolerance). Covered: one stream (attention over
 views of consecutive blocks), several streams of different lengths (gathered blocks), a
 sliding window shorter than the context (Mistral), q/k/v biases (Qwen2), per-head q/k
-norms (Qwen3), weights kept
-quantized by ``--isq`` at Q4_0 (the int4 kernel called directly) and Q8_0 (two planes),
-bf16 activations and an FP8 KV cache. Families whose layers differ from Llama's get no flat loop."""
+norms (Qwen3), weights kept quantized by ``--isq`` at Q4_0 (the int4 kernel called
+directly) and Q8_0 (two planes), bf16 activations and an FP8 KV cache; then every family
+of ``tools/greedy_tokens.py``: compared where the loop serves it, no loop built elsewhere."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ import torch
 from cvllm.engine.llm import LLM
 from cvllm.sampling_params import SamplingParams
 from tests.worker.tiny_llama import LLAMA_CFG, VOCAB, word_tokenizer
+from tools.greedy_tokens import FAMILIES, save_family
 
 PROMPTS = [[1, 5, 9, 13, 17], [1] + [7] * 20 + [3], [1, 22, 40]]
 """Lengths 5, 22 and 3: across block boundaries (block size 8), decoded together."""
@@ -47,7 +48,7 @@ def _save(folder: Path, arch: str, **overrides) -> Path:
     return folder
 
 
-def _llm(folder: Path, **kw) -> LLM:
+def _llm(folder: Optional[Path], **kw) -> LLM:
     opts = dict(weight_path=str(folder), cpu=True, dtype="f32", max_model_len=128,
                 kvcache_mem_mb=8, block_size=8)
     opts.update(kw)
@@ -113,6 +114,22 @@ def test_flat_decode_only_where_the_layers_are_llamas(tmp_path: Path, llama_dir:
     assert moe.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3))
     # --disable-cuda-graph: every step through the modules on the CPU too
     assert _llm(llama_dir, disable_cuda_graph=True).engine.runner.flat is None
+
+
+FLAT_FAMILIES = {"llama", "llama_tied_bias_yarn", "llama_isq_q4_0", "mistral", "phi3", "qwen2",
+                 "qwen3", "qwen3_isq_q4_0"}
+"""The families of ``tools/greedy_tokens.py`` whose blocks the flat loop serves."""
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_flat_decode_equals_the_blocks_of_every_family(tmp_path: Path, family: str) -> None:
+    """Every family's tiny model (``tools/greedy_tokens.py``): where the flat loop serves
+    it, equal to the blocks' forwards at every decode step; elsewhere not built."""
+    llm = _llm(None, **save_family(family, tmp_path / family))
+    if family not in FLAT_FAMILIES:
+        assert llm.engine.runner.flat is None
+        return
+    assert _checked_generation(llm, PROMPTS) >= 9
 
 
 def test_a_subclass_that_overrides_what_the_loop_copies_is_refused(llama_dir: Path) -> None:

@@ -80,7 +80,7 @@ def _run(layer, hidden, slots=(2, 0), num_slots=3):
         query_start_loc_cpu=qsl, state_slots=torch.tensor(slots), num_decodes=0,
         has_initial_state=torch.zeros(len(LENS), dtype=torch.bool))
     with torch.no_grad():
-        return layer(hidden, state, meta)
+        return layer(None, hidden, state, meta)
 
 
 @pytest.mark.parametrize("kind", ["next", "qwen3_5"])
