@@ -234,7 +234,7 @@ class DeviceConfig:
 
 def check_cpu_dense_gib(value: Optional[float]) -> None:
     """``--cpu-dense-gb``: GiB of bf16 copies of quantized weights a CPU rank may keep for
-    decode batches (``quantization/gguf.py``: ``BatchCopyBudget``); None: auto (a quarter
+    decode batches (``quantization/batch_copies.py``: ``BatchCopyBudget``); None: auto (a quarter
     of the free memory on CPUs with AMX or AVX-512 BF16, else none), 0: never. Checked
     by the loader whatever the weights are (``loader/quant_scheme.py``)."""
     if value is not None and not (math.isfinite(value) and value >= 0):

@@ -118,19 +118,12 @@ class AttentionMetadata:
         return view
 
     @classmethod
-    def build(
-        cls,
-        *,
-        slot_mapping: np.ndarray,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: np.ndarray,
-        device: torch.device | str,
-        sliding_window: Optional[int] = None,
-        extra_groups: Sequence[Tuple[Optional[int], np.ndarray, np.ndarray]] = (),
-        state_slots: Optional[np.ndarray] = None,
-        decode_query_len: int = 1,
-    ) -> "AttentionMetadata":
+    def build(cls, *, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+              seq_lens: np.ndarray, block_tables: np.ndarray, device: torch.device | str,
+              sliding_window: Optional[int] = None,
+              extra_groups: Sequence[Tuple[Optional[int], np.ndarray, np.ndarray]] = (),
+              state_slots: Optional[np.ndarray] = None, decode_query_len: int = 1,
+              ) -> "AttentionMetadata":
         """Check the host arrays, derive the split sizes, copy everything to ``device``.
 
         ``slot_mapping`` / ``block_tables`` are group 0's (window ``sliding_window``);
@@ -139,55 +132,43 @@ class AttentionMetadata:
         sequences of ``decode_query_len`` tokens each are the decodes."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)  # [B+1]
         sl = np.asarray(seq_lens, dtype=np.int64)  # [B]
-        bt = np.asarray(block_tables, dtype=np.int64)  # [B, M]
-        slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)  # [T]
-        if bt.size == 0:
-            bt = np.zeros((sl.shape[0], 0), dtype=np.int64)  # [B, 0]
-        _check_shapes(slots, qsl, sl, bt)
+        slots, bt = _checked_group(slot_mapping, block_tables, qsl, sl)  # [T], [B, M]
         qlens = qsl[1:] - qsl[:-1]  # [B]
         num_decodes = _count_leading_decodes(qlens, decode_query_len)
-        dec, pre = slice(0, num_decodes), slice(num_decodes, None)
-
-        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(np.asarray(a), device, dtype)
-
         meta = cls(
-            slot_mapping=dev(slots, torch.int64),
-            query_start_loc=dev(qsl, torch.int32),
-            seq_lens=dev(sl, torch.int32),
-            block_tables=dev(np.maximum(bt, 0), torch.int32),
+            slot_mapping=to_device(slots, device, torch.int64),
+            query_start_loc=to_device(qsl, device, torch.int32),
+            seq_lens=to_device(sl, device, torch.int32),
+            block_tables=to_device(np.maximum(bt, 0), device, torch.int32),
             max_query_len=_max(qlens),
             max_seq_len=_max(sl),
             num_tokens=int(qsl[-1]),
-            query_lens=dev(qlens, torch.int32),
+            query_lens=to_device(qlens, device, torch.int32),
             num_decodes=num_decodes,
-            decode_max_seq_len=_max(sl[dec]),
-            prefill_max_seq_len=_max(sl[pre]),
-            prefill_max_query_len=_max(qlens[pre]),
+            decode_max_seq_len=_max(sl[:num_decodes]),
+            prefill_max_seq_len=_max(sl[num_decodes:]),
+            prefill_max_query_len=_max(qlens[num_decodes:]),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
-            has_initial_state=dev(sl - qlens > 0, torch.bool),
-            state_slots=dev(_state_slots(state_slots, sl.shape[0]), torch.int64),
+            has_initial_state=to_device(sl - qlens > 0, device, torch.bool),
+            state_slots=to_device(_state_slots(state_slots, sl.shape[0]), device, torch.int64),
             sliding_window=int(sliding_window) if sliding_window else None,
             decode_query_len=decode_query_len,
         )
         meta.groups[meta.sliding_window] = meta
         for window, g_slots, g_tables in extra_groups:
-            meta._add_group(window, g_slots, g_tables, dev)
+            meta._add_group(window, g_slots, g_tables, device)
         return meta
 
-    def _add_group(self, window: Optional[int], slots, tables, dev) -> None:
+    def _add_group(self, window: Optional[int], slots, tables, device) -> None:
         key = int(window) if window else None
         if key in self.groups:
             raise ValueError(f"two KV cache groups with sliding_window={key}")
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)  # [T]
-        bt = np.asarray(tables, dtype=np.int64)  # [B, M]
-        if bt.size == 0:
-            bt = np.zeros((self.num_seqs, 0), dtype=np.int64)
-        _check_shapes(slots, self.query_start_loc_cpu, self.seq_lens_cpu, bt)
+        slots, bt = _checked_group(slots, tables, self.query_start_loc_cpu,
+                                  self.seq_lens_cpu)  # [T], [B, M]
         self.groups[key] = dataclasses.replace(
-            self, slot_mapping=dev(slots, torch.int64),
-            block_tables=dev(np.maximum(bt, 0), torch.int32), sliding_window=key,
+            self, slot_mapping=to_device(slots, device, torch.int64),
+            block_tables=to_device(np.maximum(bt, 0), device, torch.int32), sliding_window=key,
         )
 
 
@@ -210,7 +191,14 @@ def _count_leading_decodes(query_lens: np.ndarray, decode_query_len: int) -> int
     return int(not_decode[0]) if not_decode.size else int(query_lens.size)
 
 
-def _check_shapes(slots: np.ndarray, qsl: np.ndarray, sl: np.ndarray, bt: np.ndarray) -> None:
+def _checked_group(slot_mapping: np.ndarray, block_tables: np.ndarray, qsl: np.ndarray,
+                  sl: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """One KV group's ``slot_mapping [T]`` and ``block_tables [B, M]`` as int64 (an empty
+    table as ``[B, 0]``), checked against ``query_start_loc`` ``qsl`` and ``seq_lens`` ``sl``."""
+    slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)  # [T]
+    bt = np.asarray(block_tables, dtype=np.int64)  # [B, M]
+    if bt.size == 0:
+        bt = np.zeros((sl.shape[0], 0), dtype=np.int64)  # [B, 0]
     if qsl.ndim != 1 or sl.ndim != 1 or qsl.shape[0] != sl.shape[0] + 1:
         raise ValueError(f"query_start_loc {qsl.shape} must be seq_lens {sl.shape} + 1 long")
     if bt.ndim != 2 or bt.shape[0] != sl.shape[0]:
@@ -222,3 +210,4 @@ def _check_shapes(slots: np.ndarray, qsl: np.ndarray, sl: np.ndarray, bt: np.nda
         raise ValueError(f"slot_mapping {slots.shape} shorter than the {num_tokens} tokens")
     if np.any(sl < np.diff(qsl)):
         raise ValueError("a sequence's seq_len is shorter than its query")
+    return slots, bt

@@ -133,6 +133,34 @@ def build_engine_config(
                         gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
                         fp8_kvcache=fp8_kvcache, enable_prefix_caching=not disable_prefix_cache,
                         prefix_cache_max_tokens=prefix_cache_max_tokens)
+    _check_flags(max_num_seqs, max_model_len, prefill_chunk_size, max_num_batched_tokens,
+                 max_gen_tokens, cuda_graph_max_tokens, yarn_scaling_factor,
+                 sampling_overrides, attention_backend)
+    device = device or pick_device(cpu, device_ids or [0])
+    dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
+    source = loader.resolve_model_source(weight_path, weight_file, model_id)
+    model_config = _model_config(source, dtype, max_model_len, yarn_scaling_factor, tp_size)
+    defaults = _sampling_defaults(sampling_overrides or {}, loader.generation_defaults(source))
+    config = EngineConfig(
+        model=model_config,
+        cache=cache,
+        scheduler=_scheduler_config(model_config, device, max_num_seqs, prefill_chunk_size,
+                                    max_num_batched_tokens),
+        device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
+        served_model_name=served_model_name or _default_name(source),
+        defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
+        cuda_graph_max_tokens=int(cuda_graph_max_tokens), attention_backend=attention_backend,
+        quant=loader.quantization_config(source, model_config, isq, dequantize, cpu_dense_gb),
+    )
+    return EngineSetup(config, source, defaults)
+
+
+def _check_flags(max_num_seqs: int, max_model_len: int, prefill_chunk_size: Optional[int],
+                 max_num_batched_tokens: Optional[int], max_gen_tokens: int,
+                 cuda_graph_max_tokens: int, yarn_scaling_factor: Optional[float],
+                 sampling_overrides: Optional[Dict[str, Any]], attention_backend: str) -> None:
+    """Refuse a bad scheduler, length, graph, YaRN, sampling or attention flag (ConfigError
+    naming it) before anything is read from the model."""
     SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max(max_model_len, 1),
                     prefill_chunk_size=prefill_chunk_size,
                     max_num_batched_tokens=max_num_batched_tokens or 0)
@@ -149,30 +177,21 @@ def build_engine_config(
     if attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                           f"got {attention_backend!r}")
-    device = device or pick_device(cpu, device_ids or [0])
-    dtype = dtype or ("bf16" if device.device == "cuda" else "f32")
-    source = loader.resolve_model_source(weight_path, weight_file, model_id)
-    model_config = _model_config(source, dtype, max_model_len, yarn_scaling_factor, tp_size)
-    defaults = _sampling_defaults(sampling_overrides or {}, loader.generation_defaults(source))
-    config = EngineConfig(
-        model=model_config,
-        cache=cache,
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
-            prefill_chunk_size=prefill_chunk_size,
-            # CPU: attention over a long context is most of a chunk's time (no fast kernel)
-            chunk_context_tokens=(attention_parity_context(model_config)
-                                  if device.device == "cpu" else 0),
-            copy_prefix_hits=device.device == "cpu",
-            max_num_batched_tokens=_step_budget(max_num_batched_tokens, prefill_chunk_size,
-                                                device.device)),
-        device=device, load_format=load_format, seed=seed, max_gen_tokens=max_gen_tokens,
-        served_model_name=served_model_name or _default_name(source),
-        defaults=defaults, disable_cuda_graph=bool(disable_cuda_graph),
-        cuda_graph_max_tokens=int(cuda_graph_max_tokens), attention_backend=attention_backend,
-        quant=loader.quantization_config(source, model_config, isq, dequantize, cpu_dense_gb),
-    )
-    return EngineSetup(config, source, defaults)
+
+
+def _scheduler_config(model_config: ModelConfig, device: DeviceConfig, max_num_seqs: int,
+                      prefill_chunk_size: Optional[int],
+                      max_num_batched_tokens: Optional[int]) -> SchedulerConfig:
+    """The scheduler's config for this model (its ``max_model_len``) on this device."""
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
+        prefill_chunk_size=prefill_chunk_size,
+        # CPU: attention over a long context is most of a chunk's time (no fast kernel)
+        chunk_context_tokens=(attention_parity_context(model_config)
+                              if device.device == "cpu" else 0),
+        copy_prefix_hits=device.device == "cpu",
+        max_num_batched_tokens=_step_budget(max_num_batched_tokens, prefill_chunk_size,
+                                            device.device))
 
 
 def _model_config(source, dtype: str, max_model_len: int, yarn_scaling_factor: Optional[float],

@@ -17,6 +17,9 @@ llama-quantize runs without an importance matrix), vectorized over blocks, in fl
 - Q3_K: symmetric per-16 scale refined by coordinate descent on the levels (make_q3_quants).
 - Q6_K: symmetric per-16 scale from 19 candidate scales (make_qx_quants).
 
+The searches and the C code's float32 rounding live in ``quantization/ggml_search.py``;
+this module packs their scales and levels into each type's bytes.
+
 The output is meant to be byte-identical to llama.cpp's: the float32 operations are the C
 code's, in its order (sums left to right, one rounding per operation, first-occurrence
 extremes). Checked against llama.cpp's own functions on Gaussian, uniform, heavy-tailed,
@@ -29,12 +32,14 @@ weight too large for the format gives a large finite error, never inf / NaN.
 from __future__ import annotations
 
 import contextlib
-import struct
 from typing import Callable, Dict, Iterator, Tuple
 
 import torch
 
 from cvllm.kernels.quant.ggml_types import BLOCK_SHAPES, GgmlType
+from cvllm.quantization.ggml_search import (
+    GROUP_MAX_EPS, div, f32, make_q3, make_qkx2, make_qx, rdiv, seq_sum,
+)
 
 Tensor = torch.Tensor
 
@@ -44,9 +49,6 @@ K-quant searches whatever the weight's size. Small on the CPU, where chunks that
 cache run about 3x faster than 8M-element ones; large on the GPU, where each chunk costs a
 few thousand kernel launches (H100, 14336 x 4096: Q4_K 0.14 s with 0.7 GiB of temporaries
 at 16M elements, 0.57 s at 4M)."""
-
-_GROUP_MAX_EPS = 1e-15
-"""llama.cpp's threshold under which a group counts as all zeros."""
 
 _F16_MAX = 65504.0
 
@@ -96,23 +98,6 @@ def _one_cpu_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _f32(v: float) -> float:
-    """``v`` rounded to float32, so scalar constants carry the C code's float arithmetic."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
-
-def _rdiv(c: float, t: Tensor) -> Tensor:
-    """``c / t`` rounded once, as C divides: torch evaluates ``number / tensor`` as
-    ``reciprocal(t) * c``, whose second rounding can move a level that sits on a tie."""
-    return torch.full_like(t, c) / t
-
-
-def _div(t: Tensor, c: float) -> Tensor:
-    """``t / c`` rounded once, as C divides: on CUDA torch divides by a Python number as a
-    multiplication by its reciprocal (two roundings), but not by a device tensor."""
-    return t / torch.full((), c, dtype=t.dtype, device=t.device)
-
-
 def _f16(v: Tensor) -> Tensor:
     """float32 -> fp16, round to nearest even as GGML_FP32_TO_FP16, saturating (see top)."""
     return v.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
@@ -153,21 +138,21 @@ def _first_extremes(x: Tensor) -> Tuple[Tensor, Tensor]:
 
 def _safe_recip(d: Tensor) -> Tensor:
     """``1 / d``, 0 where ``d`` is 0 (an all-zero block quantizes to zeros)."""
-    return torch.where(d == 0, torch.zeros_like(d), _rdiv(1.0, d))
+    return torch.where(d == 0, torch.zeros_like(d), rdiv(1.0, d))
 
 
 # ------------------------------------------------------------------------ plain types
 
 
 def _q4_0(x: Tensor) -> Tensor:
-    d = _div(_signed_absmax(x), -8)  # [nb, 1]; the extreme maps to level 0 exactly
+    d = div(_signed_absmax(x), -8)  # [nb, 1]; the extreme maps to level 0 exactly
     q = (x * _safe_recip(d) + 8.5).trunc().clamp(0, 15)  # [nb, 32]
     return torch.cat([_f16_bytes(d), _or_fields(q.view(-1, 2, 16), 4, 1)], dim=1)
 
 
 def _q4_1(x: Tensor) -> Tensor:
     lo, hi = _first_extremes(x)  # [nb, 1]
-    d = _div(hi - lo, 15)
+    d = div(hi - lo, 15)
     q = ((x - lo) * _safe_recip(d) + 0.5).trunc().clamp(0, 15)  # [nb, 32]
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _or_fields(q.view(-1, 2, 16), 4, 1)], dim=1)
 
@@ -182,7 +167,7 @@ def _q5_split(q: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _q5_0(x: Tensor) -> Tensor:
-    d = _div(_signed_absmax(x), -16)  # [nb, 1]
+    d = div(_signed_absmax(x), -16)  # [nb, 1]
     q = (x * _safe_recip(d) + 16.5).trunc().clamp(0, 31)  # [nb, 32]
     qh, qs = _q5_split(q)
     return torch.cat([_f16_bytes(d), qh, qs], dim=1)
@@ -190,7 +175,7 @@ def _q5_0(x: Tensor) -> Tensor:
 
 def _q5_1(x: Tensor) -> Tensor:
     lo, hi = _first_extremes(x)  # [nb, 1]
-    d = _div(hi - lo, 31)
+    d = div(hi - lo, 31)
     q = ((x - lo) * _safe_recip(d) + 0.5).trunc().clamp(0, 31)  # [nb, 32]
     qh, qs = _q5_split(q)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), qh, qs], dim=1)
@@ -205,134 +190,9 @@ def _round_half_away(v: Tensor) -> Tensor:
 
 
 def _q8_0(x: Tensor) -> Tensor:
-    d = _div(x.abs().amax(1, keepdim=True), 127)  # [nb, 1]
+    d = div(x.abs().amax(1, keepdim=True), 127)  # [nb, 1]
     q = _round_half_away(x * _safe_recip(d)).to(torch.int8)  # [nb, 32]
     return torch.cat([_f16_bytes(d), q.view(torch.uint8)], dim=1)
-
-
-# ------------------------------------------------------------ K-quant scale searches
-#
-# The searches work element-major, ``[n, M]`` (n values of each of M groups), so that a
-# group's sums run left to right one element at a time, as the C loops add them: float32
-# sums in another order differ in the last bits, and those bits decide near-ties.
-
-
-def _seq_sum(terms: Tensor) -> Tensor:
-    """``[n, ...] -> [...]``: the sum over dim 0 in index order."""
-    acc = terms[0]
-    for i in range(1, terms.shape[0]):
-        acc = acc + terms[i]
-    return acc
-
-
-def _signed_absmax_t(xt: Tensor) -> Tensor:
-    """``[n, M]`` -> the first element of largest magnitude per group, sign kept ``[M]``."""
-    return xt.gather(0, xt.abs().argmax(dim=0, keepdim=True)).squeeze(0)
-
-
-def _make_qkx2(xt: Tensor, wt: Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
-               use_mad: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """llama.cpp's make_qkx2_quants over groups ``xt [n, M]`` with weights ``wt [n, M]``:
-    levels 0..nmax with ``x ~ scale * L - min``. Tries the plain min/max fit, then
-    ``nstep + 1`` stretched scales, each refitted by weighted least squares, keeping the
-    lowest weighted error (abs with ``use_mad``, squared otherwise). As in the C code, the
-    offset of the best fit so far is the origin of the next candidates.
-    Returns (levels [n, M] float, scale [M], min [M] >= 0 as subtracted)."""
-    lo = xt.amin(0).clamp(max=0.0)  # [M]: the min is never above 0
-    hi = xt.amax(0)
-    flat = hi == lo  # constant groups: scale 0 (their levels are 0)
-    sum_w, sum_x = _seq_sum(torch.stack([wt, wt * xt], dim=1)).unbind(0)  # [M] each
-
-    def error(scale: Tensor, levels: Tensor, offset: Tensor) -> Tensor:
-        diff = scale * levels + offset - xt
-        return _seq_sum(wt * (diff.abs() if use_mad else diff * diff))
-
-    iscale = _rdiv(nmax, hi - lo)
-    scale = _rdiv(1.0, iscale)
-    levels = torch.round(iscale * (xt - lo)).clamp(0, nmax)
-    best = error(scale, levels, lo)
-    for step in range(nstep + 1):
-        stretch = _f32(_f32(rmin + _f32(_f32(rdelta) * step)) + nmax)
-        aux = torch.round(_rdiv(stretch, hi - lo) * (xt - lo)).clamp(0, nmax)  # [n, M]
-        wl = wt * aux
-        sum_l, sum_l2, sum_xl = _seq_sum(torch.stack([wl, wl * aux, wl * xt], dim=1)).unbind(0)
-        det = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-        positive = this_min > 0  # an offset above 0 is dropped and the scale refitted alone
-        this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
-        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-        cur = error(this_scale, aux, this_min)
-        better = (det > 0) & (cur < best)  # NaN never wins
-        levels = torch.where(better, aux, levels)
-        best = torch.where(better, cur, best)
-        scale = torch.where(better, this_scale, scale)
-        lo = torch.where(better, this_min, lo)
-    levels = torch.where(flat, torch.zeros_like(levels), levels)
-    return levels, torch.where(flat, torch.zeros_like(scale), scale), -lo
-
-
-def _make_qx(xt: Tensor, nmax: int) -> Tuple[Tensor, Tensor]:
-    """llama.cpp's make_qx_quants (rmse_type 1: weights x^2) over groups ``xt [n, M]``:
-    symmetric levels -nmax..nmax-1 stored +nmax; of the scales ``(nmax + 0.1 i) / max``,
-    i in -9..9, keeps the least-squares fit with the lowest weighted error.
-    Returns (levels [n, M] float, scale [M]); groups of zeros give zeros."""
-    mx = _signed_absmax_t(xt)  # [M]
-    live = mx.abs() >= _f32(_GROUP_MAX_EPS)
-    w = xt * xt
-    wx = w * xt
-
-    def fit(numer: float) -> Tuple[Tensor, Tensor, Tensor]:
-        levels = torch.round(_rdiv(numer, mx) * xt).clamp(-nmax, nmax - 1)  # [n, M]
-        sums = _seq_sum(torch.stack([wx * levels, w * levels * levels], dim=1))
-        return (levels, *sums.unbind(0))
-
-    levels, sumlx, suml2 = fit(-float(nmax))
-    scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(sumlx))
-    best = scale * sumlx
-    for i in [i for i in range(-9, 10) if i]:
-        cand, slx, sl2 = fit(-_f32(nmax + _f32(_f32(0.1) * i)))
-        better = (sl2 > 0) & (slx * slx > best * sl2)
-        levels = torch.where(better, cand, levels)
-        scale = torch.where(better, slx / sl2, scale)
-        best = torch.where(better, scale * slx, best)
-    levels = torch.where(live, levels + nmax, torch.zeros_like(levels))
-    return levels, torch.where(live, scale, torch.zeros_like(scale))
-
-
-def _make_q3(xt: Tensor, nmax: int, rounds: int = 5) -> Tuple[Tensor, Tensor]:
-    """llama.cpp's make_q3_quants (with its rmse search) over groups ``xt [n, M]``:
-    symmetric levels from ``-nmax / max``, then up to ``rounds`` passes of coordinate
-    descent that move one level at a time to its least-squares value when that lowers the
-    weighted (x^2) error; element by element, as in the C loop, all groups at once.
-    Returns (levels +nmax [n, M] float, scale [M]); groups of zeros give zeros."""
-    mx = _signed_absmax_t(xt)  # [M]
-    live = mx.abs() >= _f32(_GROUP_MAX_EPS)
-    iscale = torch.where(live, _rdiv(-nmax, mx), torch.zeros_like(mx))
-    w2t = xt * xt
-    wxt = w2t * xt
-    lt = torch.round(iscale * xt).clamp(-nmax, nmax - 1)  # [n, M]
-    sumlx, suml2 = _seq_sum(torch.stack([wxt * lt, w2t * lt * lt], dim=1)).unbind(0)  # [M]
-    for _ in range(rounds):
-        changed = torch.zeros_like(live)
-        for i in range(xt.shape[0]):
-            li = lt[i]
-            slx = sumlx - wxt[i] * li
-            sl2 = suml2 - w2t[i] * li * li
-            new = torch.round(xt[i] * sl2 / slx).clamp(-nmax, nmax - 1)
-            slx_new = slx + wxt[i] * new
-            sl2_new = sl2 + w2t[i] * new * new
-            take = ((slx > 0) & (new != li) & (sl2_new > 0)
-                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
-            lt[i] = torch.where(take, new, li)
-            sumlx = torch.where(take, slx_new, sumlx)
-            suml2 = torch.where(take, sl2_new, suml2)
-            changed |= take
-        if not bool(changed.any()):  # a pass that moved nothing would move nothing again
-            break
-    levels = torch.where(live, lt + nmax, torch.zeros_like(lt))
-    scale = torch.where(live & (suml2 > 0), sumlx / suml2, torch.zeros_like(sumlx))
-    return levels, scale
 
 
 # --------------------------------------------------------------------------- K-quants
@@ -358,15 +218,15 @@ def _group_major(levels: Tensor, nb: int) -> Tensor:
 def _q2_k(x: Tensor) -> Tensor:
     nb = x.shape[0]
     xt = _element_major(x, 16)  # [16, nb*16]
-    levels, scales, mins = _make_qkx2(xt, xt.abs(), 3, -0.5, 0.1, 15, True)
+    levels, scales, mins = make_qkx2(xt, xt.abs(), 3, -0.5, 0.1, 15, True)
     scales, mins = scales.view(nb, 16), mins.view(nb, 16)
     max_scale, max_min = _positive_max(scales), _positive_max(mins)  # [nb, 1]
     zero = torch.zeros_like(max_scale)
-    ls = torch.round(torch.where(max_scale > 0, _rdiv(15, max_scale), zero) * scales)
-    lm = torch.round(torch.where(max_min > 0, _rdiv(15, max_min), zero) * mins)
+    ls = torch.round(torch.where(max_scale > 0, rdiv(15, max_scale), zero) * scales)
+    lm = torch.round(torch.where(max_min > 0, rdiv(15, max_min), zero) * mins)
     # Stored as in C: a uint8 of the low scale bits OR the min shifted by 4 (wrapping).
     sc = (ls.to(torch.int32) & 0xFF) | ((lm.to(torch.int32) << 4) & 0xFF)  # [nb, 16]
-    d16, dmin16 = _f16(_div(max_scale, 15)), _f16(_div(max_min, 15))
+    d16, dmin16 = _f16(div(max_scale, 15)), _f16(div(max_min, 15))
     d = d16.float() * (sc & 0xF)  # [nb, 16]
     dm = dmin16.float() * (sc >> 4)
     subs = x.view(nb, 16, 16)
@@ -378,14 +238,14 @@ def _q2_k(x: Tensor) -> Tensor:
 
 def _q3_k(x: Tensor) -> Tensor:
     nb = x.shape[0]
-    levels, scales = _make_q3(_element_major(x, 16), 4)
+    levels, scales = make_q3(_element_major(x, 16), 4)
     scales = scales.view(nb, 16)  # [nb, 16]
     max_scale = _signed_absmax(scales)  # [nb, 1]
     live = max_scale != 0
-    iscale = torch.where(live, _rdiv(-32, max_scale), torch.zeros_like(max_scale))
+    iscale = torch.where(live, rdiv(-32, max_scale), torch.zeros_like(max_scale))
     ls = (torch.round(iscale * scales).clamp(-32, 31) + 32).to(torch.int32)  # [nb, 16] 0..63
     ls = torch.where(live, ls, torch.zeros_like(ls))
-    d16 = _f16(torch.where(live, _rdiv(1.0, iscale), torch.zeros_like(iscale)))
+    d16 = _f16(torch.where(live, rdiv(1.0, iscale), torch.zeros_like(iscale)))
     d = d16.float() * (ls - 32)  # [nb, 16]
     subs = x.view(nb, 16, 16)
     requant = torch.round(subs / d.unsqueeze(2)).clamp(-4, 3) + 4
@@ -402,7 +262,7 @@ def _q3_k(x: Tensor) -> Tensor:
 def _six_bit(values: Tensor, vmax: Tensor) -> Tensor:
     """Sub-block scales or mins ``[nb, 8]`` as 0..63 against ``vmax [nb, 1]``; like the
     C code's uint8 store, a negative rounds through 255 to 63."""
-    inv = torch.where(vmax > 0, _rdiv(63, vmax), torch.zeros_like(vmax))
+    inv = torch.where(vmax > 0, rdiv(63, vmax), torch.zeros_like(vmax))
     return (torch.round(inv * values).to(torch.int32) & 0xFF).clamp(max=63)
 
 
@@ -414,12 +274,12 @@ def _qkx_k(x: Tensor, nmax: int, rmin: float, nstep: int) -> Tuple[Tensor, Tenso
     xt = _element_major(x, 32)  # [32, nb*8]
     # sqrtf is correctly rounded; torch's float32 sqrt on the CPU (Sleef, 0.5001 ulp) is
     # not always, and one ulp here moves the weights. float64 then float32 is exact.
-    av_x = torch.sqrt(_div(_seq_sum(xt * xt), 32).double()).float()  # [nb*8]
-    levels, scales, mins = _make_qkx2(xt, av_x + xt.abs(), nmax, rmin, 0.1, nstep, False)
+    av_x = torch.sqrt(div(seq_sum(xt * xt), 32).double()).float()  # [nb*8]
+    levels, scales, mins = make_qkx2(xt, av_x + xt.abs(), nmax, rmin, 0.1, nstep, False)
     scales, mins = scales.view(nb, 8), mins.view(nb, 8)
     max_scale, max_min = _positive_max(scales), _positive_max(mins)  # [nb, 1]
     ls, lm = _six_bit(scales, max_scale), _six_bit(mins, max_min)  # [nb, 8]
-    d16, dmin16 = _f16(_div(max_scale, 63)), _f16(_div(max_min, 63))
+    d16, dmin16 = _f16(div(max_scale, 63)), _f16(div(max_min, 63))
     d, dm = d16.float() * ls, dmin16.float() * lm  # [nb, 8]
     subs = x.view(nb, 8, 32)
     requant = torch.round((subs + dm.unsqueeze(2)) / d.unsqueeze(2)).clamp(0, nmax)
@@ -447,12 +307,12 @@ def _q5_k(x: Tensor) -> Tensor:
 
 def _q6_k(x: Tensor) -> Tensor:
     nb = x.shape[0]
-    levels, scales = _make_qx(_element_major(x, 16), 32)
+    levels, scales = make_qx(_element_major(x, 16), 32)
     scales = scales.view(nb, 16)  # [nb, 16]
     max_scale = _signed_absmax(scales)  # [nb, 1]
-    live = max_scale.abs() >= _f32(_GROUP_MAX_EPS)
-    iscale = torch.where(live, _rdiv(-128, max_scale), torch.zeros_like(max_scale))
-    d16 = _f16(torch.where(live, _rdiv(1.0, iscale), torch.zeros_like(iscale)))
+    live = max_scale.abs() >= f32(GROUP_MAX_EPS)
+    iscale = torch.where(live, rdiv(-128, max_scale), torch.zeros_like(max_scale))
+    d16 = _f16(torch.where(live, rdiv(1.0, iscale), torch.zeros_like(iscale)))
     sc = torch.round(iscale * scales).clamp(max=127)  # [nb, 16] int8 range
     d = d16.float() * sc
     requant = torch.round(x.view(nb, 16, 16) / d.unsqueeze(2)).clamp(-32, 31) + 32

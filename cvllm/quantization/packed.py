@@ -1,7 +1,7 @@
 """Parameters that hold GGML quantization blocks, and the views their loaders write through.
 
 A quantized layer's weight is one flat ``uint8`` parameter (made by the GGUF methods in
-``quantization/gguf.py``) whose ``packed`` attribute is a ``PackedLayout``: the logical
+``quantization/gguf_methods.py``) whose ``packed`` attribute is a ``PackedLayout``: the logical
 float shape ``(*lead, N, K)`` (``lead``: experts of a MoE layer) and its output rows in
 parts, each part ``rows`` rows of one GGML type (a fused qkv layer of a Q4_K_M file holds
 q and k in Q4_K and v in Q6_K). Part ``i`` is stored contiguously as

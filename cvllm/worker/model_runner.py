@@ -1,9 +1,10 @@
 """ModelRunner: owns the model, its KV cache and the sampler on one rank.
 
 Built once per rank by the engine builder (rank 0) or the worker loop (other ranks). At
-start-up it asks the model for its per-layer ``cache_specs()`` (``attention/specs.py``),
-sizes them into a ``KVCacheLayout`` (KV cache groups + state slots; rank 0's engine
-builds its block managers from ``kv_layout``) and allocates ``kv_caches[i]`` per layer.
+start-up (the steps are ``worker/runner_setup.py``'s) it loads the model, asks it for its
+per-layer ``cache_specs()`` (``attention/specs.py``), sizes them into a ``KVCacheLayout``
+(KV cache groups + state slots; rank 0's engine builds its block managers from
+``kv_layout``) and allocates ``kv_caches[i]`` per layer.
 Each step it receives a ``StepInput`` (flat arrays), copies it to the device, builds the
 ``AttentionMetadata`` (one view per KV group), zeroes the state slots of sequences that
 start afresh, runs the forward and, on rank 0, samples the next tokens.
@@ -22,23 +23,20 @@ with one device-to-host copy per step (``worker/output_copy.py``).
 from __future__ import annotations
 
 import logging
-import time
 from typing import List, Optional, Union
 
 import numpy as np
 import torch
 
 from cvllm.attention.kv_cache import (
-    CacheSizing,
     LayerCache,
     allocate_kv_caches,
     fp8_kv_specs,
     kv_caches_nbytes,
-    plan_kv_cache,
     reset_kv_scales,
 )
 from cvllm.attention.metadata import AttentionMetadata
-from cvllm.attention.specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
+from cvllm.attention.specs import LayerCacheSpec, StateSpec
 from cvllm.config import EngineConfig
 from cvllm.core.kv_cache_manager import KVCacheLayout
 from cvllm.distributed import parallel_state
@@ -51,23 +49,18 @@ from cvllm.layers.layernorm import pair_norm_outputs
 from cvllm.layers.sampler import Sampler
 from cvllm.layers.sampling_tensors import SamplingTensors
 from cvllm.models.flat_decode import build_flat_decoder
-from cvllm.models.registry import get_model_class
-from cvllm.quantization.summary import format_summary, weight_summary
 from cvllm.worker import memory
-from cvllm.worker.cuda_graph import (CudaGraphRunner, capture_sizes, graph_unsafe_reason,
-                                     patch_placeholders)
-from cvllm.worker.mixed_graph import MixedGraphRunner, split_unsafe_reason, token_sizes
+from cvllm.worker.cuda_graph import CudaGraphRunner, graph_unsafe_reason, patch_placeholders
+from cvllm.worker.mixed_graph import MixedGraphRunner
 from cvllm.worker.output_copy import OutputCopy, PendingOutput, StepResult
+from cvllm.worker.runner_setup import (init_cuda_graphs, init_mixed_graphs, load_model,
+                                       model_cache_specs, size_kv_cache)
 
-__all__ = ["ModelRunner", "PendingStep", "DeferredSampling", "StepResult", "model_cache_specs", "patch_placeholders"]
+__all__ = ["ModelRunner", "PendingStep", "DeferredSampling", "StepResult", "patch_placeholders"]
 
 logger = logging.getLogger("cvllm.worker")
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-
-# Without --mem the CPU cache takes this fraction of available memory, at most this many
-# bytes: a CPU host runs other things, and a few GiB hold thousands of tokens already.
-_CPU_KV_CAP_BYTES = 2 << 30
 
 
 class ModelRunner:
@@ -79,7 +72,7 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.model.dtype]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # events and graphs use the current device
-        self.model = self._load_model(source)
+        self.model = load_model(config, source, self.device, self.dtype)
         if self.device.type == "cuda":
             paired = pair_norm_outputs(self.model)  # before any forward is captured
             if paired:
@@ -91,30 +84,8 @@ class ModelRunner:
             self.cache_specs = fp8_kv_specs(self.cache_specs)
         graph_unsafe = (graph_unsafe_reason(self.model, self.cache_specs)
                         if self.device.type == "cuda" else "not on CUDA")
-        self.kv_layout: KVCacheLayout = self._plan_kv_cache(
-            capture=graph_unsafe is None and not config.disable_cuda_graph)
-        self.num_blocks = self.kv_layout.groups[0].num_blocks
-        """Blocks of KV group 0 (the only group of most models)."""
-        config.cache.num_blocks = self.num_blocks
-        self.kv_caches: List[LayerCache] = allocate_kv_caches(
-            self.cache_specs, self.kv_layout, self.device
-        )
-        self._state_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, StateSpec)]
-        groups = ", ".join(
-            f"window {g.sliding_window}: {len(g.layer_ids)} layers x {g.num_blocks} blocks"
-            for g in self.kv_layout.groups
-        )
-        logger.info("KV cache: %.1f MB; groups %s; %d state slots",
-                    kv_caches_nbytes(self.kv_caches) / 2**20, groups,
-                    self.kv_layout.num_state_slots)
-        self.graphs: Optional[CudaGraphRunner] = self._init_cuda_graphs(graph_unsafe)
-        """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
-        self.flat = (build_flat_decoder(self.model)
-                     if self.device.type == "cpu" and not config.disable_cuda_graph else None)
-        """The model's flat decode loop for pure-decode CPU steps (``models/flat_decode.py``);
-        None: every step runs the model's forward."""
-        self.mixed: Optional[MixedGraphRunner] = self._init_mixed_graphs()
-        """Padded steps with prompt tokens (same conditions, and --cuda-graph-max-tokens)."""
+        self._init_kv_cache(capture=graph_unsafe is None and not config.disable_cuda_graph)
+        self._init_step_paths(graph_unsafe)
         if self.device.type == "cuda":
             secs = memory.warm_up_prefill(self.model, self.cache_specs,
                                           config.cache.block_size, self.device,
@@ -129,124 +100,40 @@ class ModelRunner:
         """The last launched step's sampled ids ([S] int64, device), for placeholders."""
 
     # ---------------------------------------------------------------- set-up
-    def _load_model(self, source) -> torch.nn.Module:
-        from cvllm import loader
-
-        cls = get_model_class(self.config.model.architecture)
-        quant_config = self.config.quant  # chosen by the loader (loader/quant_scheme.py)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):  # the layers' backend: config.model.attention_backend
-                model = cls(self.config.model, quant_config)
-        finally:
-            torch.set_default_dtype(prev)
-        if self.config.load_format == "dummy":
-            model.init_dummy_weights(self.config.seed)
-        else:
-            model.load_weights(loader.iter_weights(source))
-        per_type, total = weight_summary(model)
-        logger.info(format_summary(per_type, total, self.device))
-        if quant_config is not None and quant_config.loaded_note():
-            logger.info(quant_config.loaded_note())
-        return model.eval()
-
-    def _plan_kv_cache(self, capture: bool) -> KVCacheLayout:
-        """Size every group (``attention/kv_cache.py`` documents the split) from --mem,
-        --gpu-memory-fraction (on CUDA after profiling, ``worker/memory.py``; ``capture``:
-        keep room for the CUDA graph pool) or the CPU default, or from a fixed
-        CacheConfig.num_blocks."""
-        cache, sched = self.config.cache, self.config.scheduler
-        sizing = CacheSizing(
-            block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
-            max_model_len=self.config.model.max_model_len,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_chunk=min(sched.chunk_limit, sched.max_num_batched_tokens),
+    def _init_kv_cache(self, capture: bool) -> None:
+        """Size the KV cache (``capture``: keep room for the CUDA graph pool) and allocate
+        it, one ``LayerCache`` per layer."""
+        self.kv_layout: KVCacheLayout = size_kv_cache(self.config, self.model, self.cache_specs,
+                                                      self.device, capture)
+        self.num_blocks = self.kv_layout.groups[0].num_blocks
+        """Blocks of KV group 0 (the only group of most models)."""
+        self.config.cache.num_blocks = self.num_blocks
+        self.kv_caches: List[LayerCache] = allocate_kv_caches(
+            self.cache_specs, self.kv_layout, self.device
         )
-        if cache.num_blocks:
-            return plan_kv_cache(self.cache_specs, sizing, num_blocks=cache.num_blocks)
-        if cache.kvcache_mem_mb:
-            budget = cache.kvcache_mem_mb * (1 << 20)
-        elif self.device.type == "cuda":
-            profile = memory.measure(
-                self.model, self.cache_specs, block_size=cache.block_size,
-                num_tokens=sched.max_step_tokens, max_seqs=sched.max_num_seqs,
-                max_len=min(sizing.max_chunk, sizing.max_model_len),
-                decode_rows=max([capture_sizes(sched.max_num_seqs)[-1],
-                                 *self._mixed_sizes()[-1:]]) if capture else 0,
-                logit_rows=capture_sizes(sched.max_num_seqs)[-1] if capture else 0,
-                device=self.device,
-            )
-            budget = memory.kv_cache_budget(profile, cache.gpu_memory_fraction,
-                                            sched.max_step_tokens)
-        else:
-            import psutil
-
-            avail = psutil.virtual_memory().available
-            budget = min(int(avail * cache.gpu_memory_fraction), _CPU_KV_CAP_BYTES)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            from cvllm.distributed import comm
-
-            # Every rank must hold the same blocks (rank 0's scheduler hands out block ids
-            # for all): all take the smallest budget. Cache specs match on every rank.
-            budget = comm.agree_min(int(budget))
-        return plan_kv_cache(self.cache_specs, sizing, budget_bytes=budget)
-
-    def _init_cuda_graphs(self, unsafe: Optional[str]) -> Optional[CudaGraphRunner]:
-        """Padded decode steps, captured now that the KV cache exists (CUDA only)."""
-        if self.device.type != "cuda":
-            return None
-        if unsafe is not None:
-            logger.info("decode steps run eagerly, unpadded: %s", unsafe)
-            return None
-        sched = self.config.scheduler
-        graphs = CudaGraphRunner(
-            self.model, self.kv_caches, sizes=capture_sizes(sched.max_num_seqs),
-            max_model_len=self.config.model.max_model_len,
-            block_size=self.config.cache.block_size, windows=self.kv_layout.windows,
-            device=self.device, capture=not self.config.disable_cuda_graph,
-            sampled_rows=sched.max_num_seqs,
+        self._state_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, StateSpec)]
+        groups = ", ".join(
+            f"window {g.sliding_window}: {len(g.layer_ids)} layers x {g.num_blocks} blocks"
+            for g in self.kv_layout.groups
         )
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        graphs.capture()
-        if graphs.graphs:
-            logger.info("CUDA graphs: %d decode sizes up to %d captured in %.1f s (%.0f MiB)",
-                        len(graphs.graphs), graphs.sizes[-1], time.perf_counter() - start,
-                        (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
-        else:
-            logger.info("CUDA graphs off: decode steps run padded to %s, eagerly", graphs.sizes)
-        return graphs
+        logger.info("KV cache: %.1f MB; groups %s; %d state slots",
+                    kv_caches_nbytes(self.kv_caches) / 2**20, groups,
+                    self.kv_layout.num_state_slots)
 
-    def _mixed_sizes(self) -> List[int]:
-        return token_sizes(self.config.cuda_graph_max_tokens,
-                           self.config.scheduler.max_step_tokens)
-
-    def _init_mixed_graphs(self) -> Optional[MixedGraphRunner]:
-        """Padded steps with prompt tokens, captured after the decode graphs into their
-        pool (CUDA, graph-safe models, ``--cuda-graph-max-tokens`` > 0)."""
-        sizes = self._mixed_sizes()
-        if self.graphs is None or not sizes:
-            return None
-        unsafe = split_unsafe_reason(self.model)
-        if unsafe is not None:
-            logger.info("steps with prompt tokens run eagerly, unpadded: %s", unsafe)
-            return None
-        mixed = MixedGraphRunner(
-            self.model, self.kv_caches, sizes=sizes, block_size=self.config.cache.block_size,
-            windows=self.kv_layout.windows, device=self.device,
-            capture=not self.config.disable_cuda_graph and bool(self.graphs.graphs))
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        mixed.capture(self.graphs.pool)
-        if mixed.graphs:
-            logger.info("CUDA graphs: steps with prompt tokens at %d sizes up to %d tokens "
-                        "captured in %.1f s (%d pieces each, %.0f MiB)", len(mixed.graphs),
-                        mixed.sizes[-1], time.perf_counter() - start,
-                        len(mixed.graphs[mixed.sizes[-1]]),
-                        (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
-        else:
-            logger.info("steps with prompt tokens up to %d tokens run padded to %s, eagerly",
-                        mixed.sizes[-1], mixed.sizes)
-        return mixed
+    def _init_step_paths(self, graph_unsafe: Optional[str]) -> None:
+        """The paths a step may take besides the model's own forward (``graph_unsafe``: why
+        decode graphs cannot be captured, None when they can)."""
+        config = self.config
+        self.graphs: Optional[CudaGraphRunner] = init_cuda_graphs(
+            config, self.model, self.kv_caches, self.kv_layout, self.device, graph_unsafe)
+        """Padded pure-decode steps (CUDA, graph-safe models only); None: all eager."""
+        self.flat = (build_flat_decoder(self.model)
+                     if self.device.type == "cpu" and not config.disable_cuda_graph else None)
+        """The model's flat decode loop for pure-decode CPU steps (``models/flat_decode.py``);
+        None: every step runs the model's forward."""
+        self.mixed: Optional[MixedGraphRunner] = init_mixed_graphs(
+            config, self.model, self.kv_caches, self.kv_layout, self.device, self.graphs)
+        """Padded steps with prompt tokens (same conditions, and --cuda-graph-max-tokens)."""
 
     # ---------------------------------------------------------------- step
     def execute(self, step: StepInput, sampling: Optional[SamplingBatch] = None
@@ -266,12 +153,8 @@ class ModelRunner:
         """Launch one step with no host sync; ``.result()`` waits for its sampled ids.
         Placeholder input ids (``step.prev_rows``) take the ids the previous launched
         step sampled, on the device, so the host may launch step N+1 before it has
-        seen N's tokens (the overlapped engine loop).
-
-        ``defer_sampling`` (rank 0): launch the forward and the LM head only and return a
-        ``DeferredSampling``; its ``sample()`` launches the sampler later, once the host
-        knows what it needs (the structured-output bitmask of rows whose grammar waits
-        for the previous step's token). It must be called before the next ``launch``."""
+        seen N's tokens (the overlapped engine loop). ``defer_sampling`` (rank 0): launch
+        the forward and the LM head only and return a ``DeferredSampling`` (why: there)."""
         self._check_step(step)
         if step.block_copies.size:
             self._copy_blocks(step.block_copies)
@@ -424,7 +307,9 @@ class ModelRunner:
 
 
 class DeferredSampling:
-    """A launched forward whose sampler is not launched yet (``launch(defer_sampling=True)``).
+    """A launched forward whose sampler is not launched yet (``launch(defer_sampling=True)``,
+    rank 0): ``sample()`` launches it later, once the host knows what it needs (the
+    structured-output bitmask of rows whose grammar waits for the previous step's token).
     Its logits live in the CUDA graph's output buffer, which the next replay overwrites:
     ``sample`` comes before the next ``launch``."""
 
@@ -474,34 +359,3 @@ def _count_pending_tokens(output_counts: torch.Tensor, step: StepInput,
     at = to_device(which, dev, torch.int64)  # [P]
     output_counts.index_put_((at, ids), torch.ones_like(ids, dtype=output_counts.dtype),
                              accumulate=True)
-
-
-
-
-def model_cache_specs(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype
-                      ) -> List[LayerCacheSpec]:
-    """The model's ``cache_specs()``; without it, specs from its ``Attention`` modules when
-    there is one per layer (so a sliding window is honoured), else full attention for
-    every layer from the config."""
-    num_layers = config.model.num_layers
-    if hasattr(model, "cache_specs"):
-        specs = list(model.cache_specs())
-        if len(specs) != num_layers:
-            raise ValueError(f"{type(model).__name__}.cache_specs() gave {len(specs)} specs "
-                             f"for {num_layers} layers")
-        return specs
-    from cvllm.layers.attention import Attention
-
-    attns = [m for m in model.modules() if isinstance(m, Attention)]
-    if len(attns) == num_layers:
-        return [
-            SlidingWindowSpec(a.num_kv_heads, a.head_size, dtype, int(a.sliding_window))
-            if a.sliding_window else FullAttentionSpec(a.num_kv_heads, a.head_size, dtype)
-            for a in attns
-        ]
-    from cvllm.distributed import parallel_state
-    from cvllm.layers.linear import kv_head_assignment
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    kv_heads = len(kv_head_assignment(config.model.num_heads, config.model.num_kv_heads, tp, 0))
-    return [FullAttentionSpec(kv_heads, config.model.head_dim, dtype)] * num_layers

@@ -20,6 +20,7 @@ from cvllm.engine.tokenizer import Tokenizer
 from cvllm.layers.attention import Attention
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker import model_runner as mr
+from cvllm.worker import runner_setup as rs
 
 VOCAB, HIDDEN, H, HKV, D = 256, 32, 4, 2, 8
 WINDOWS = (6, None, 6)
@@ -90,7 +91,7 @@ def tokenizer():
 
 
 def _llm(monkeypatch, tokenizer, num_blocks, chunk):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: MixedModel)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: MixedModel)
     hf = dict(hidden_size=HIDDEN, num_hidden_layers=len(WINDOWS), num_attention_heads=H,
               num_key_value_heads=HKV, vocab_size=VOCAB, max_position_embeddings=96)
     config = EngineConfig(

@@ -17,7 +17,7 @@ import pytest
 
 from cvllm.config import ConfigError, check_cpu_dense_gib
 from cvllm.kernels.quant import ggml_cpu
-from cvllm.quantization.gguf import BatchCopyBudget, batch_copy_budget
+from cvllm.quantization.batch_copies import BatchCopyBudget, batch_copy_budget
 
 
 def test_budget_grants_in_order_until_it_runs_out():

@@ -59,7 +59,7 @@ import pytest
 import torch
 
 from cvllm.engine.llm import LLM
-from cvllm.quantization.gguf import GGUFMoEMethod
+from cvllm.quantization.gguf_methods import GGUFMoEMethod
 from cvllm.quantization.summary import weight_summary
 from cvllm.sampling_params import SamplingParams
 from tests.models import deepseek_tiny

@@ -21,7 +21,8 @@ from cvllm.layers.linear import (
 )
 from cvllm.loader.lazy import LazyTensor
 from cvllm.models.utils import process_weights_after_loading
-from cvllm.quantization.gguf import GGUFEmbeddingMethod, GGUFLinearMethod, GGUFQuantConfig
+from cvllm.quantization.gguf import GGUFQuantConfig
+from cvllm.quantization.gguf_methods import GGUFEmbeddingMethod, GGUFLinearMethod
 from cvllm.quantization.packed import BlockSplitError
 from tests.layers.test_linear import load
 
@@ -31,9 +32,9 @@ def reference_kernels(monkeypatch):
     """The layers' sharding is under test here, not the kernels (tests/kernels/): every
     weight goes to the exact torch reference backend."""
     from cvllm.kernels.quant.backend import ReferenceBackend
-    from cvllm.quantization import gguf as gguf_mod
+    from cvllm.quantization import gguf_methods
 
-    monkeypatch.setattr(gguf_mod, "backend_for", lambda device, t, dtype: ReferenceBackend())
+    monkeypatch.setattr(gguf_methods, "backend_for", lambda device, t, dtype: ReferenceBackend())
 
 
 @pytest.fixture

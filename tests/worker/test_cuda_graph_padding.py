@@ -1,10 +1,11 @@
 """Padded decode steps (``worker/cuda_graph.py``) on the CPU: the capture sizes, the
-staging of a step into the static buffers (padding rows get slot -1 and seq_len 0, so
-they write no KV and read nothing; freed sliding blocks are clamped), the metadata made
-of views of those buffers (constant sizes: every row a decode, ``max_model_len`` as the
-decode bound), which models may be captured, the runner's dispatch and, under
-``TRITON_INTERPRET=1``, greedy tokens of a model with sliding and full layers through
-the Triton backend with decode steps padded equal to its dense reference."""
+staging of a step into the static buffers (``worker/decode_buffers.py``; padding rows get
+slot -1 and seq_len 0, so they write no KV and read nothing; freed sliding blocks are
+clamped), the metadata made of views of those buffers (constant sizes: every row a
+decode, ``max_model_len`` as the decode bound), which models may be captured, the
+runner's dispatch and, under ``TRITON_INTERPRET=1``, greedy tokens of a model with
+sliding and full layers through the Triton backend with decode steps padded equal to its
+dense reference."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from cvllm.core.step_builder import build_step_input
 from cvllm.layers.attention import Attention
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker import cuda_graph as cg
+from cvllm.worker import decode_buffers as db
 from cvllm.worker import model_runner as mr
+from cvllm.worker import runner_setup as rs
 from tests.interpreted import run_interpreted as run_in_interpreter
 
 F32 = torch.float32
@@ -81,7 +84,7 @@ def _decode_step(kv, lens, step_id=1, free_sliding=True):
 
 
 def _buffers():
-    return cg.DecodeBuffers(max_bs=8, max_blocks=64 // BS, num_groups=2, device=CPU)
+    return db.DecodeBuffers(max_bs=8, max_blocks=64 // BS, num_groups=2, device=CPU)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -89,7 +92,7 @@ def test_staging_pads_rows_so_they_write_and_read_nothing(monkeypatch, direct):
     """Narrow steps copy their block tables into place with the other inputs (one copy);
     wide ones (here: every step, the limit set to 0) copy them compact and spread them."""
     if not direct:
-        monkeypatch.setattr(cg, "DIRECT_TABLE_BYTES", 0)
+        monkeypatch.setattr(db, "DIRECT_TABLE_BYTES", 0)
     kv = KVCacheManager.from_layout(_layout())
     step = _decode_step(kv, [20, 3, 33])
     assert (step.group_block_tables[0] == -1).any()  # freed sliding blocks
@@ -121,7 +124,7 @@ def test_previous_ids_are_put_where_the_forward_patches_from():
     assert b.sampled[:3].tolist() == [5, 6, 7]
     with pytest.raises(Exception, match="sampled 9 rows"):
         b.take_prev(torch.zeros(9, dtype=torch.int64))
-    assert cg.DecodeBuffers(8, 8, 1, CPU, sampled_rows=12).sampled.shape == (12,)
+    assert db.DecodeBuffers(8, 8, 1, CPU, sampled_rows=12).sampled.shape == (12,)
 
 
 def test_pending_tokens_counted_from_patched_inputs_equal_those_from_prev():
@@ -145,7 +148,7 @@ def test_staging_refuses_steps_that_do_not_fit():
     step = _decode_step(KVCacheManager.from_layout(_layout()), [20, 3, 33])
     with pytest.raises(Exception, match="does not fit"):
         _buffers().load(step, 2)  # 3 rows at size 2
-    small = cg.DecodeBuffers(max_bs=8, max_blocks=2, num_groups=2, device=CPU)
+    small = db.DecodeBuffers(max_bs=8, max_blocks=2, num_groups=2, device=CPU)
     with pytest.raises(Exception, match="does not fit"):
         small.load(step, 4)  # 5 block columns > 2
 
@@ -263,7 +266,7 @@ def _config(max_num_seqs=4, backend="auto", chunk=8):
 
 
 def _runner(monkeypatch, config):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: TwoWindows)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: TwoWindows)
     return mr.ModelRunner(config, source=None)
 
 
@@ -317,7 +320,7 @@ def _seqs(kv, lens, new_tokens=1):
 
 
 def test_runner_dispatches_pure_decode_steps_padded(monkeypatch):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: Recorder)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: Recorder)
     runner = mr.ModelRunner(_config(), source=None)  # one full-attention group
     calls = _with_padding(runner)
     kv = KVCacheManager.from_layout(runner.kv_layout)
@@ -350,7 +353,7 @@ def _generate(padded: bool):
     from cvllm.engine.tokenizer import Tokenizer
     from tests.worker.tiny_llama import word_tokenizer
 
-    mr.get_model_class = lambda arch: TwoWindows
+    rs.get_model_class = lambda arch: TwoWindows
     config = _config(max_num_seqs=3, backend="triton", chunk=8)
     runner = mr.ModelRunner(config, source=None)
     calls = _with_padding(runner, sizes=(1, 4)) if padded else []

@@ -17,6 +17,7 @@ from cvllm.config import (CacheConfig, ConfigError, DeviceConfig, EngineConfig, 
 from cvllm.layers.sampler import SamplerOutput
 from cvllm.worker import memory
 from cvllm.worker import model_runner as mr
+from cvllm.worker import runner_setup as rs
 from cvllm.worker.output_copy import OutputCopy
 from tests.worker.tiny_llama import LLAMA_CFG
 
@@ -97,7 +98,7 @@ class FakeCuda:
 
 def test_measure_runs_the_model_and_reads_the_peaks(monkeypatch):
     _, model = _tiny_llama()
-    specs = mr.model_cache_specs(model, _engine_config(), torch.float32)
+    specs = rs.model_cache_specs(model, _engine_config(), torch.float32)
     fake = FakeCuda(weights=5 * GIB, peaks=[777, 55], free=50 * GIB, total=80 * GIB,
                     reserved=20 * GIB)
     fake.install(monkeypatch)
@@ -122,7 +123,7 @@ def _engine_config(mem=None, fraction=0.7, max_model_len=128, max_num_seqs=4):
 
 
 def _runner_as_if_cuda(monkeypatch, config, profile):
-    """A CPU runner whose next ``_plan_kv_cache`` takes the CUDA branch with ``profile``."""
+    """A CPU runner whose next ``_plan`` takes the CUDA branch with ``profile``."""
     runner = mr.ModelRunner(_engine_config(mem=1), source=None)
     runner.config = config
     runner.device = torch.device("cuda")
@@ -131,28 +132,34 @@ def _runner_as_if_cuda(monkeypatch, config, profile):
     return runner, calls
 
 
+def _plan(runner, capture):
+    """The runner's KV cache layout, sized as at its start-up (``runner_setup.size_kv_cache``)."""
+    return rs.size_kv_cache(runner.config, runner.model, runner.cache_specs, runner.device,
+                            capture)
+
+
 def test_runner_sizes_the_cache_from_the_profile(monkeypatch):
     per_block = 2 * 2 * 16 * 2 * 32 * 4  # K+V, layers, tokens, kv heads, head_dim, f32
     profile = memory.MemoryProfile(total=100 * per_block + 10, non_torch=0, weights=0,
                                    peak_activation=10, graph_margin=0)
     config = _engine_config(fraction=0.5)
     runner, calls = _runner_as_if_cuda(monkeypatch, config, profile)
-    layout = runner._plan_kv_cache(capture=True)
+    layout = _plan(runner, capture=True)
     assert layout.groups[0].num_blocks == 50
     assert calls[0]["num_tokens"] == 64 and calls[0]["max_len"] == 64
     # graph pool margin: the largest decode (4 rows) or mixed step (64 tokens, the budget)
     assert calls[0]["decode_rows"] == 64
-    runner._plan_kv_cache(capture=False)
+    _plan(runner, capture=False)
     assert calls[1]["decode_rows"] == 0
     runner.config.cuda_graph_max_tokens = 0  # no mixed graphs: the largest decode size
-    runner._plan_kv_cache(capture=True)
+    _plan(runner, capture=True)
     assert calls[2]["decode_rows"] == 4
     # 8 blocks of 16 tokens cannot hold one 128-token sequence: refused, clearly.
     small = memory.MemoryProfile(total=14 * per_block, non_torch=0, weights=0,
                                  peak_activation=0, graph_margin=0)
     runner, _ = _runner_as_if_cuda(monkeypatch, config, small)
     with pytest.raises(ConfigError, match="cannot hold one sequence of --max-model-len 128"):
-        runner._plan_kv_cache(capture=False)
+        _plan(runner, capture=False)
 
 
 # ----- one device-to-host copy per step -----------------------------------------------------

@@ -19,6 +19,7 @@ from cvllm.core.step_builder import build_step_input
 from cvllm.layers.attention import split_at_attention
 from cvllm.worker import mixed_graph as mg
 from cvllm.worker import model_runner as mr
+from cvllm.worker import runner_setup as rs
 from tests.interpreted import run_interpreted as run_in_interpreter
 from tests.worker.test_cuda_graph_padding import (BS, CPU, NEW, PROMPTS, Recorder, TwoWindows,
                                                   _config, _seqs, _with_padding)
@@ -109,7 +110,7 @@ def test_static_inputs_copy_a_fused_projection_once():
 
 
 def test_runner_dispatches_steps_with_prompt_tokens_padded(monkeypatch):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: Recorder)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: Recorder)
     config = _config(chunk=64)
     runner = mr.ModelRunner(config, source=None)
     decode_calls = _with_padding(runner)
@@ -143,7 +144,7 @@ def _generate(mixed: bool):
     from cvllm.sampling_params import SamplingParams
     from tests.worker.tiny_llama import word_tokenizer
 
-    mr.get_model_class = lambda arch: TwoWindows
+    rs.get_model_class = lambda arch: TwoWindows
     config = _config(max_num_seqs=3, backend="triton", chunk=8)
     runner = mr.ModelRunner(config, source=None)
     _with_padding(runner, sizes=(1, 4))
@@ -177,6 +178,6 @@ def test_only_backends_that_run_between_pieces_are_split():
 
 
 def test_cpu_runner_builds_no_mixed_runner(monkeypatch):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: TwoWindows)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: TwoWindows)
     runner = mr.ModelRunner(_config(backend="triton"), source=None)
     assert runner.graphs is None and runner.mixed is None

@@ -26,6 +26,7 @@ from cvllm.core.wire_format import StepInputError
 from cvllm.layers.attention import Attention
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker import model_runner as mr
+from cvllm.worker import runner_setup as rs
 
 F32 = torch.float32
 HIDDEN = 8
@@ -88,7 +89,7 @@ def _config(layers, mem=None, num_blocks=None, max_model_len=64, max_num_seqs=4)
 
 
 def _runner(monkeypatch, cls, config):
-    monkeypatch.setattr(mr, "get_model_class", lambda arch: cls)
+    monkeypatch.setattr(rs, "get_model_class", lambda arch: cls)
     return mr.ModelRunner(config, source=None)
 
 

@@ -1,6 +1,6 @@
 """The interface between the GGUF quantization methods and the kernels of one device kind.
 
-``quantization/gguf.py``'s methods hand each run of same-type rows of a weight (GGUF's
+``quantization/gguf_methods.py``'s methods hand each run of same-type rows of a weight (GGUF's
 bytes, ``uint8 [N, K / B * S]``) to ``dispatch.backend_for(device, type)`` once after
 loading (``prepare``: the backend may repack into a layout its kernels read fast, freeing
 the bytes), then call ``linear`` every step and ``embedding`` for token lookups. The methods

@@ -1,7 +1,7 @@
 """Which ``backend.GgmlBackend`` a GGUF weight gets: the fastest on its device that takes
 its type with the model's activation dtype.
 
-Called by the GGUF quantization method (``quantization/gguf.py``) once per run of
+Called by the GGUF quantization method (``quantization/gguf_methods.py``) once per run of
 same-type rows after loading. The device kernels are imported only when a weight of
 their device asks (the CPU path never imports Triton). Stateless: a backend is built per
 call.

@@ -6,7 +6,7 @@ An LM head is the largest single weight of a decode step (an 8B model's Q6_K hea
 weights) is held by its own arithmetic, where the int8 GEMV streams it (about 1.4x faster
 on an H200; docs/kernels.md, ``CVLLM_GGML_INT8_HEAD``). The int8 GEMV rounds x per 16
 or 32 elements, which moves each logit by a little; so, as the CPU backend does for its
-narrower products (``quantization/gguf.py``, ``REFINE_TOP``), each row's ``REFINE``
+narrower products (``quantization/gguf_methods.py``, ``REFINE_TOP``), each row's ``REFINE``
 largest logits are then recomputed without the rounding and written over the rounded
 ones: greedy choices and the top log-probabilities see the exact head, the rest of the
 distribution the int8 one.
