@@ -31,13 +31,17 @@ import torch
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
+class PagedKVSpec:
+    """What the K/V layers have in common: a K and a V cache of ``num_kv_heads`` heads of
+    ``head_dim`` per token (never built itself: one of the two below)."""
+
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
 
     @property
     def sliding_window(self) -> Optional[int]:
+        """Tokens a query attends back to; None: the whole context."""
         return None
 
     def bytes_per_token(self) -> int:
@@ -45,19 +49,18 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec:
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+class FullAttentionSpec(PagedKVSpec):
+    """Every query attends over its whole context."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(PagedKVSpec):
     window: int
     """Tokens a query attends back to (HF ``sliding_window``); older blocks can be freed."""
 
     @property
     def sliding_window(self) -> Optional[int]:
         return self.window
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
