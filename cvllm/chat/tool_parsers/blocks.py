@@ -271,4 +271,3 @@ class TextArgsReader(PhasedReader):
     @abc.abstractmethod
     def _markup_step(self, text: str, final: bool) -> Optional[BlockProgress]:
         """``_step`` outside the values."""
-
