@@ -24,31 +24,46 @@ layers share the group of their window (``attn_metadata.view(window)``).
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
 
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+class TokenCacheSpec(abc.ABC):
+    """A layer that caches a fixed number of bytes per token in paged blocks (the
+    attention layers); its ``sliding_window`` names its KV cache group."""
 
     @property
     def sliding_window(self) -> Optional[int]:
+        """Tokens a query attends back to; None: the whole context."""
         return None
+
+    @abc.abstractmethod
+    def bytes_per_token(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PagedKVSpec(TokenCacheSpec):
+    """What the K/V layers have in common: a K and a V cache of ``num_kv_heads`` heads of
+    ``head_dim`` per token (never built itself: one of the two below)."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec:
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+class FullAttentionSpec(PagedKVSpec):
+    """Every query attends over its whole context."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(PagedKVSpec):
     window: int
     """Tokens a query attends back to (HF ``sliding_window``); older blocks can be freed."""
 
@@ -56,19 +71,12 @@ class SlidingWindowSpec:
     def sliding_window(self) -> Optional[int]:
         return self.window
 
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
-
 
 @dataclass(frozen=True)
-class MLASpec:
+class MLASpec(TokenCacheSpec):
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: torch.dtype
-
-    @property
-    def sliding_window(self) -> Optional[int]:
-        return None
 
     def bytes_per_token(self) -> int:
         return (self.kv_lora_rank + self.qk_rope_head_dim) * _itemsize(self.dtype)

@@ -20,7 +20,9 @@ one engine, which decides nothing until the text seen so far settles it):
     its leading whitespace removed; output that never entered reasoning is content as is.
 """
 
-from typing import ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type
+
+from cvllm.chat.registry import ParserTable
 
 _OPENING, _THINKING_START, _THINKING, _CONTENT_START, _CONTENT = range(5)
 
@@ -206,31 +208,18 @@ REASONING_PARSERS: Dict[str, Type[ReasoningParser]] = {
                               DeepSeekR1ReasoningParser, NoReasoningParser)}
 REASONING_PARSERS["glm4.5"] = Glm45ReasoningParser
 
-_ARCHITECTURES = {
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3",
-    "Glm4MoeForCausalLM": "glm45",
-}
+_TABLE = ParserTable(
+    "reasoning parser", REASONING_PARSERS,
+    # A template with think tags: which family writes it (else Qwen3's).
+    template_markers=(("<｜Assistant｜>", "deepseek_r1"), ("<arg_key>", "glm45"),
+                      ("[gMASK]", "glm45")),
+    architectures={"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3",
+                   "Glm4MoeForCausalLM": "glm45"},
+    template_gate=("<think>", "</think>"), template_default="qwen3")
 
-
-def get_reasoning_parser(name: str) -> Type[ReasoningParser]:
-    """The reasoning parser class for ``name``."""
-    try:
-        return REASONING_PARSERS[name]
-    except (KeyError, TypeError):
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {known}") from None
-
-
-def detect_reasoning_parser(architecture: Optional[str],
-                            chat_template: Optional[str]) -> Optional[str]:
-    """The reasoning parser name for a model: from its chat template's think tags (and
-    which family writes them), else from its HF architecture; None when it has none."""
-    template = chat_template or ""
-    if "<think>" in template or "</think>" in template:
-        if "<｜Assistant｜>" in template:
-            return "deepseek_r1"
-        if "<arg_key>" in template or "[gMASK]" in template:
-            return "glm45"
-        return "qwen3"
-    return _ARCHITECTURES.get(architecture or "")
+get_reasoning_parser: Callable[[str], Type[ReasoningParser]] = _TABLE.get
+"""The reasoning parser class for a name; a ValueError names the known ones."""
+detect_reasoning_parser: Callable[[Optional[str], Optional[str]], Optional[str]] = _TABLE.detect
+"""``(architecture, chat_template)`` -> the reasoning parser name for a model: from its
+chat template's think tags (and which family writes them), else from its HF architecture;
+None when it has none."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Type, TypeVar
 
 from cvllm.engine import wire
 from cvllm.sampling_params import SamplingParams
@@ -28,8 +28,35 @@ def _obj(d: Any, what: str) -> Dict[str, Any]:
     return d
 
 
+M = TypeVar("M", bound="WireMessage")
+
+
+class WireMessage:
+    """A message dataclass and its JSON: its fields (``to_wire``) unless it says otherwise;
+    ``from_wire`` takes only a JSON object (named by ``kind`` in the error) and hands it to
+    the message's ``from_object``, which checks every field."""
+
+    kind: ClassVar[str]
+    """The frame's name (``class Hello(WireMessage, kind="HELLO")``), for errors."""
+
+    def __init_subclass__(cls, kind: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind
+
+    def to_wire(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls: Type[M], d: Any) -> M:
+        return cls.from_object(_obj(d, cls.kind))
+
+    @classmethod
+    def from_object(cls: Type[M], d: Dict[str, Any]) -> M:
+        raise NotImplementedError
+
+
 @dataclass
-class Hello:
+class Hello(WireMessage, kind="HELLO"):
     """Rank 0's first message: what the API process needs to serve this engine."""
 
     model_name: str
@@ -49,12 +76,8 @@ class Hello:
     """``--mcp-config`` / ``--mcp-command`` / ``--mcp-args`` / ``--mcp-call-timeout``."""
     version: int = ch.VERSION
 
-    def to_wire(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_wire(cls, d: Any) -> "Hello":
-        d = _obj(d, "HELLO")
+    def from_object(cls, d: Dict[str, Any]) -> "Hello":
         if d.get("version") != ch.VERSION:
             raise wire.WireError(f"channel version {d.get('version')!r} from the engine, "
                                  f"{ch.VERSION} here")
@@ -71,25 +94,21 @@ class Hello:
 
 
 @dataclass
-class EngineStatus:
+class EngineStatus(WireMessage, kind="STATUS"):
     """The engine's health, pushed by rank 0 when it changes."""
 
     ready: bool
     healthy: bool
     error: Optional[str] = None
 
-    def to_wire(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_wire(cls, d: Any) -> "EngineStatus":
-        d = _obj(d, "STATUS")
+    def from_object(cls, d: Dict[str, Any]) -> "EngineStatus":
         return cls(bool(d.get("ready")), bool(d.get("healthy")),
                    wire.optional_str(d.get("error"), "error"))
 
 
 @dataclass
-class Submit:
+class Submit(WireMessage, kind="ADD"):
     """A request for the engine (ADD)."""
 
     request_id: str
@@ -104,31 +123,26 @@ class Submit:
     def id_of(d: Any) -> Optional[str]:
         """The request id of an ADD, if it has a well-formed one (for its error)."""
         try:
-            return wire.request_id(_obj(d, "ADD").get("id"))
+            return wire.request_id(_obj(d, Submit.kind).get("id"))
         except wire.WireError:
             return None
 
     @classmethod
-    def from_wire(cls, d: Any) -> "Submit":
-        d = _obj(d, "ADD")
+    def from_object(cls, d: Dict[str, Any]) -> "Submit":
         return cls(wire.request_id(d.get("id")), wire.token_ids(d.get("prompt"), "prompt"),
                    wire.params_from_wire(d.get("params")))
 
 
 @dataclass
-class RpcCall:
+class RpcCall(WireMessage, kind="RPC"):
     """A question for rank 0, answered by an ``RpcReply`` with the same ``call``."""
 
     call: int
     method: str
     args: Dict[str, Any] = field(default_factory=dict)
 
-    def to_wire(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_wire(cls, d: Any) -> "RpcCall":
-        d = _obj(d, "RPC")
+    def from_object(cls, d: Dict[str, Any]) -> "RpcCall":
         method = d.get("method")
         if method not in RPC_METHODS:
             raise wire.WireError(f"unknown RPC method {method!r:.60}")
@@ -137,38 +151,31 @@ class RpcCall:
 
 
 @dataclass
-class RpcReply:
+class RpcReply(WireMessage, kind="RPC_REPLY"):
     call: int
     ok: bool
     result: Any = None
     error: Optional[Dict[str, Any]] = None
     """``utils.channel.error_info`` of what the call raised."""
 
-    def to_wire(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_wire(cls, d: Any) -> "RpcReply":
-        d = _obj(d, "RPC_REPLY")
+    def from_object(cls, d: Dict[str, Any]) -> "RpcReply":
         err = d.get("error")
         return cls(wire.want(d.get("call"), int, "call"), bool(d.get("ok")),
                    d.get("result"), None if err is None else _obj(err, "RPC error"))
 
 
 @dataclass
-class Signal:
+class Signal(WireMessage, kind="SIGNAL"):
     """A SIGTERM / SIGINT rank 0 received, for the API process to act on as if it were
     its own (drain, or abort at once on the second); the API process ignores signals
     sent to it directly, so a signal that reaches both processes counts once."""
 
     name: str
 
-    def to_wire(self) -> Dict[str, Any]:
-        return {"name": self.name}
-
     @classmethod
-    def from_wire(cls, d: Any) -> "Signal":
-        name = _obj(d, "SIGNAL").get("name")
+    def from_object(cls, d: Dict[str, Any]) -> "Signal":
+        name = d.get("name")
         if name not in SIGNALS:
             raise wire.WireError(f"unknown signal {name!r:.40}")
         return cls(name)

@@ -17,9 +17,10 @@ import logging
 import queue
 import threading
 import traceback
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from cvllm.engine.llm_engine import LLMEngine
+from cvllm.engine.request_stream import RequestStreams
 from cvllm.outputs import EngineMetrics, RequestOutput
 from cvllm.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class OutputSink:
         raise NotImplementedError
 
 
-class AsyncEngine:
+class AsyncEngine(RequestStreams):
     def __init__(self, engine: LLMEngine, model_name: str, default_params: Dict[str, Any]):
         self.engine = engine
         self.model_name = model_name
@@ -146,36 +147,19 @@ class AsyncEngine:
         return self.engine.tokenizer.encode(text)
 
     # ---------------------------------------------------------------- requests
-    async def generate(self, request_id: str, prompt_token_ids: List[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs until it finishes. Leaving early (the client went
-        away, the handler was cancelled) aborts the request and frees its KV blocks. A
-        request the engine's admission refuses (``LLMEngine.add_request``: an empty or too
-        long prompt, a token out of the vocabulary) raises its ``ValueError`` here."""
-        if not self.is_healthy():
-            raise EngineDeadError("the engine loop is not running")
+    # ``generate`` (RequestStreams) calls these three once per request.
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
+        self._register(request_id, (asyncio.get_running_loop(), q))
+        return q
+
+    def _submit(self, request_id: str, prompt_token_ids: List[int],
+                params: SamplingParams) -> None:
+        self._commands.put(("add", (request_id, prompt_token_ids, params)))
+
+    def _close_stream(self, request_id: str) -> None:
         with self._lock:
-            if request_id in self._queues:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._queues[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params)))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # refused by the engine's admission, or the engine died
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            self._queues.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -186,13 +170,16 @@ class AsyncEngine:
         (the finished one last), or ``sink.fail`` is called (a request the engine's
         admission refuses, as in ``generate``). Raises ``EngineDeadError`` when the engine
         is not running, ``ValueError`` for a request id in use."""
+        self._register(request_id, (sink, None))
+        self._submit(request_id, list(prompt_token_ids), params)
+
+    def _register(self, request_id: str, entry: Tuple[Any, Optional[asyncio.Queue]]) -> None:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._queues[request_id] = (sink, None)
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params)))
+            self._queues[request_id] = entry
 
     def submitted_by(self, sink: OutputSink) -> List[str]:
         """The requests in flight whose outputs go to ``sink``."""

@@ -24,7 +24,7 @@ from cvllm.distributed.comm import (
     tensor_model_parallel_all_reduce,
 )
 from cvllm.layers.utils import copy_checked, divide
-from cvllm.quantization.base import EmbeddingMethodBase, QuantizationConfig, set_weight_attrs
+from cvllm.quantization.base import EmbeddingMethodBase, QuantizationConfig, frozen_param
 from cvllm.quantization.packed import weight_view
 from cvllm.quantization.unquantized import UnquantizedEmbeddingMethod
 
@@ -120,11 +120,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix,
                          quant_config)
         if bias:
-            self.bias = nn.Parameter(
+            self.bias = frozen_param(  # [V_per_partition]
                 torch.empty(self.num_embeddings_per_partition, dtype=self.params_dtype),
-                requires_grad=False,
-            )  # [V_per_partition]
-            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
+                output_dim=0, weight_loader=self.weight_loader)
         else:
             self.register_parameter("bias", None)
 

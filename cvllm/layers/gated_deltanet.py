@@ -32,9 +32,9 @@ from torch import nn
 from cvllm.attention.specs import StateSpec
 from cvllm.distributed import parallel_state
 from cvllm.kernels.reference.deltanet import l2norm_ref
-from cvllm.layers.utils import (as_tensor, copy_checked, default_weight_loader, divide,
-                                split_sizes)
-from cvllm.quantization.base import set_weight_attrs
+from cvllm.layers.layernorm import ScaledNorm
+from cvllm.layers.utils import as_tensor, copy_checked, divide, split_sizes
+from cvllm.quantization.base import frozen_param
 
 LinearAttnState = Tuple[torch.Tensor, torch.Tensor]
 """One linear-attention layer's ``(conv_states [S, C, K-1], ssm_states [S, Hv, Dk, Dv])``."""
@@ -204,17 +204,8 @@ def _initial(state: torch.Tensor, has_initial: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- modules
-class RMSNormGated(nn.Module):
+class RMSNormGated(ScaledNorm):
     """``weight * rmsnorm(x) * silu(gate)`` per head (norm before gate); replicated."""
-
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
-    ):
-        super().__init__()
-        self.variance_epsilon = eps
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -262,14 +253,13 @@ class GatedDeltaNet(nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         # A bare container so the weight keeps its checkpoint name ``conv1d.weight``.
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(
-            torch.empty(self.conv_dim, conv_kernel_size, dtype=dtype), requires_grad=False
-        )  # [C, K]
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
-        set_weight_attrs(self.conv1d.weight, {"weight_loader": self._load_conv})
-        for p in (self.A_log, self.dt_bias):
-            set_weight_attrs(p, {"weight_loader": self._load_heads})
+        self.conv1d.weight = frozen_param(
+            torch.empty(self.conv_dim, conv_kernel_size, dtype=dtype),  # [C, K]
+            weight_loader=self._load_conv)
+        self.A_log = frozen_param(torch.empty(self.num_v_heads, dtype=dtype),
+                                  weight_loader=self._load_heads)
+        self.dt_bias = frozen_param(torch.empty(self.num_v_heads, dtype=dtype),
+                                    weight_loader=self._load_heads)
         self.norm = RMSNormGated(head_v_dim, rms_norm_eps, dtype)
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:

@@ -1,6 +1,7 @@
 """RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add;
 LayerNorm (with or without bias) for the families that use it (Phi, StableLM), and
-``PerHeadLayerNorm`` (StableLM's q/k norms: one weight per attention head).
+``PerHeadLayerNorm`` (StableLM's q/k norms: one weight per attention head). ``ScaledNorm``
+is the part the RMS norms share (Gemma's and ``gated_deltanet.RMSNormGated`` too).
 
 Built by the model classes; the weight is replicated on every rank (``PerHeadLayerNorm``
 holds only this rank's heads, which its weight loader picks). On CUDA the RMSNorms
@@ -21,7 +22,7 @@ from torch import nn
 
 from cvllm.distributed.comm import all_reduce_rms_norm, tensor_model_parallel_all_reduce
 from cvllm.layers.utils import copy_checked, default_weight_loader
-from cvllm.quantization.base import LinearMethodBase, set_weight_attrs
+from cvllm.quantization.base import LinearMethodBase, frozen_param
 
 
 def _use_triton(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
@@ -42,17 +43,31 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
+class ScaledNorm(nn.Module):
+    """What the RMS norms share: ``variance_epsilon`` and one replicated ``[hidden]``
+    weight, made ``weight_fill`` (HF's initial value) and loaded whole."""
+
+    weight_fill = 1.0
+
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
     ):
         super().__init__()
         self.variance_epsilon = eps
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(
-            torch.ones(hidden_size, dtype=dtype), requires_grad=False
-        )  # [hidden]
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.weight = frozen_param(  # [hidden]
+            torch.full((hidden_size,), self.weight_fill, dtype=dtype),
+            weight_loader=default_weight_loader)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class RMSNorm(ScaledNorm):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
+    ):
+        super().__init__(hidden_size, eps, params_dtype)
         self.q8_wps = 0
         """4 or 8: a batch-1 output also carries its int8 form for the GGUF GEMV that
         reads it next (``pair_norm_outputs`` sets it; 0: never)."""
@@ -91,9 +106,6 @@ class RMSNorm(nn.Module):
         flat loop over the layers (``models/flat_decode.py``)."""
         return functools.partial(_rms_norm_cpu, weight=self.weight, eps=self.variance_epsilon)
 
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
-
 
 class LayerNorm(nn.Module):
     """``nn.LayerNorm`` over the last dim, computed in float32 and cast back, so bf16 runs
@@ -109,11 +121,11 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.eps = eps
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.weight = frozen_param(torch.ones(hidden_size, dtype=dtype),
+                                   weight_loader=default_weight_loader)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
-            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
+            self.bias = frozen_param(torch.zeros(hidden_size, dtype=dtype),
+                                     weight_loader=default_weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -144,22 +156,14 @@ class LayerNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(ScaledNorm):
     """Gemma's RMSNorm: the weight is an offset, ``out = norm(x) * (1 + weight)``, all in
     float32 and cast back once, as HF's ``Gemma2RMSNorm`` / ``Gemma3RMSNorm`` do (plain
     RMSNorm casts before multiplying). Its own class, not an RMSNorm subclass, so code that
     special-cases RMSNorm (dummy init to 1, fused kernels) never treats it as one.
     Same ``forward(x, residual)`` contract as RMSNorm."""
 
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None
-    ):
-        super().__init__()
-        self.variance_epsilon = eps
-        dtype = params_dtype or torch.get_default_dtype()
-        # Zero offset = identity scale, HF's initial value.
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+    weight_fill = 0.0  # zero offset = identity scale, HF's initial value
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, reduce: bool = False
@@ -181,9 +185,6 @@ class GemmaRMSNorm(nn.Module):
         out = (xf * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
 
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
-
 
 class PerHeadLayerNorm(nn.Module):
     """A bias-free LayerNorm over head_dim with its own weight per head. ``head_ids``: the
@@ -193,10 +194,8 @@ class PerHeadLayerNorm(nn.Module):
     def __init__(self, head_ids: Sequence[int], head_dim: int, eps: float, dtype):
         super().__init__()
         self.head_ids, self.eps = list(head_ids), eps
-        self.weight = nn.Parameter(
-            torch.ones(len(self.head_ids), head_dim, dtype=dtype), requires_grad=False
-        )  # [H_local, D]
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        self.weight = frozen_param(torch.ones(len(self.head_ids), head_dim, dtype=dtype),
+                                   weight_loader=self.weight_loader)  # [H_local, D]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.dim() != 2 or loaded_weight.shape[0] <= max(self.head_ids):

@@ -35,7 +35,7 @@ from cvllm.distributed.comm import (
 from cvllm.layers.utils import (
     balanced_range, consecutive_runs, copy_checked, divide, split_sizes,
 )
-from cvllm.quantization.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from cvllm.quantization.base import LinearMethodBase, QuantizationConfig, frozen_param
 from cvllm.quantization.packed import check_input_split, weight_view
 from cvllm.quantization.unquantized import UnquantizedLinearMethod
 
@@ -90,10 +90,8 @@ class LinearBase(nn.Module):
             weight_loader=self.weight_loader,
         )
         if bias:
-            self.bias = nn.Parameter(
-                torch.empty(bias_size, dtype=self.params_dtype), requires_grad=False
-            )  # [out]
-            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
+            self.bias = frozen_param(torch.empty(bias_size, dtype=self.params_dtype),  # [out]
+                                     output_dim=0, weight_loader=self.weight_loader)
         else:
             self.register_parameter("bias", None)
 

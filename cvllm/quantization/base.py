@@ -33,6 +33,14 @@ def set_weight_attrs(param: torch.Tensor, attrs: Optional[Dict[str, Any]]) -> No
         setattr(param, key, value)
 
 
+def frozen_param(data: torch.Tensor, **attrs: Any) -> torch.nn.Parameter:
+    """``data`` as a parameter without grad, carrying the loading metadata ``attrs``
+    (``weight_loader``, ``output_dim``, ...): how layers make the parameters they own."""
+    param = torch.nn.Parameter(data, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    return param
+
+
 class LinearMethodBase(ABC):
     """How one linear layer stores its weights and multiplies by them."""
 

@@ -15,7 +15,7 @@ counts the engine reports per output: no second tokenization.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from cvllm.chat.reasoning import prompt_opens_reasoning
 from cvllm.chat.tool_parsers import ToolCall, ToolCallDelta

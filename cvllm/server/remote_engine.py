@@ -16,11 +16,12 @@ import asyncio
 import itertools
 import logging
 import signal
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cvllm.engine import wire
 from cvllm.engine.api_messages import EngineStatus, Hello, RpcCall, RpcReply, Signal, Submit
-from cvllm.outputs import EngineMetrics, RequestOutput
+from cvllm.engine.request_stream import RequestStreams
+from cvllm.outputs import EngineMetrics
 from cvllm.sampling_params import SamplingParams
 from cvllm.utils import channel as ch
 
@@ -46,7 +47,7 @@ def _error(info: Dict[str, Any]) -> BaseException:
     return EngineDeadError(message)
 
 
-class RemoteEngine:
+class RemoteEngine(RequestStreams):
     """``AsyncEngine``'s public methods, answered over the channel."""
 
     METRICS_TIMEOUT_S = 5.0
@@ -203,33 +204,23 @@ class RemoteEngine:
         finally:
             self._calls.pop(call, None)
 
-    async def generate(self, request_id: str, prompt_token_ids: List[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncEngine.generate``: this request's outputs until it finishes; leaving
-        early aborts it on the engine side."""
+    # ``generate`` (RequestStreams, as ``AsyncEngine``'s) calls these once per request.
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
         if not self.is_healthy():
             raise EngineDeadError(self._error or "the engine is not serving")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        finished = False
-        try:
-            self._send(ch.encode_json(ch.ADD, Submit(request_id, list(prompt_token_ids),
-                                                     params).to_wire()))
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine side already let it go
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished and not self._closed:
-                self.abort(request_id)
+        return q
+
+    def _submit(self, request_id: str, prompt_token_ids: List[int],
+                params: SamplingParams) -> None:
+        self._send(ch.encode_json(ch.ADD, Submit(request_id, prompt_token_ids,
+                                                 params).to_wire()))
+
+    def _close_stream(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         if not self._closed:

@@ -169,6 +169,16 @@ def test_accepted_and_ignored_fields():
     assert req.sampling.overrides() == {} and req.structured_outputs is None
 
 
+def test_the_first_error_is_found_in_the_api_reference_order_of_the_fields():
+    from cvllm.server.schemas.request_fields import CommonFields
+
+    assert list(CommonFields.model_fields) == [
+        "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "min_tokens",
+        "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user"]
+    assert error_of(parse_chat_request, chat(n=0, temperature="x")).param == "n"
+
+
 # ---------------------------------------------------------------------- bad bodies
 
 NAMED_X = {"type": "function", "function": {"name": "x"}}

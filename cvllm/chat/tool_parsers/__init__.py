@@ -6,8 +6,9 @@ with ``detect_tool_parser`` from the model's chat template and HF architecture, 
 start-up. It then builds one parser instance per request choice. Pure Python, no torch.
 """
 
-from typing import Dict, Optional, Type
+from typing import Callable, Dict, Optional, Type
 
+from cvllm.chat.registry import ParserTable
 from cvllm.chat.tool_parsers.base import (
     ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser, new_call_id)
 from cvllm.chat.tool_parsers.deepseek import CALL_BEGIN, CALLS_BEGIN, DeepSeekV3ToolParser
@@ -32,51 +33,39 @@ _ALIASES = {
 TOOL_PARSERS: Dict[str, Type[ToolParser]] = {
     alias: cls for cls, aliases in _ALIASES.items() for alias in aliases}
 
-# Chat-template markers, most specific first: GLM and Qwen3-Coder also use <tool_call>.
-_TEMPLATE_MARKERS = (
-    (CALLS_BEGIN, "deepseek_v3"),
-    (CALL_BEGIN, "deepseek_v3"),
-    ("<arg_key>", "glm45"),
-    ("<function=", "qwen3_coder"),
-    ("<tool_call>", "hermes"),
-    (TOOL_CALLS, "mistral"),
-    (PYTHON_TAG, "llama3_json"),
-)
+_TABLE = ParserTable(
+    "tool-call parser", TOOL_PARSERS,
+    # Chat-template markers, most specific first: GLM and Qwen3-Coder also use <tool_call>.
+    template_markers=(
+        (CALLS_BEGIN, "deepseek_v3"),
+        (CALL_BEGIN, "deepseek_v3"),
+        ("<arg_key>", "glm45"),
+        ("<function=", "qwen3_coder"),
+        ("<tool_call>", "hermes"),
+        (TOOL_CALLS, "mistral"),
+        (PYTHON_TAG, "llama3_json"),
+    ),
+    architectures={
+        "Qwen2ForCausalLM": "hermes",
+        "Qwen2MoeForCausalLM": "hermes",
+        "Qwen3ForCausalLM": "hermes",
+        "Qwen3MoeForCausalLM": "hermes",
+        "MistralForCausalLM": "mistral",
+        "MixtralForCausalLM": "mistral",
+        "Mistral3ForConditionalGeneration": "mistral",
+        "LlamaForCausalLM": "llama3_json",
+        "Llama4ForCausalLM": "llama3_json",
+        "Llama4ForConditionalGeneration": "llama3_json",
+        "DeepseekV3ForCausalLM": "deepseek_v3",
+        "Glm4MoeForCausalLM": "glm45",
+    })
 
-_ARCHITECTURES = {
-    "Qwen2ForCausalLM": "hermes",
-    "Qwen2MoeForCausalLM": "hermes",
-    "Qwen3ForCausalLM": "hermes",
-    "Qwen3MoeForCausalLM": "hermes",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mistral",
-    "Mistral3ForConditionalGeneration": "mistral",
-    "LlamaForCausalLM": "llama3_json",
-    "Llama4ForCausalLM": "llama3_json",
-    "Llama4ForConditionalGeneration": "llama3_json",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Glm4MoeForCausalLM": "glm45",
-}
-
-
-def get_tool_parser(name: str) -> Type[ToolParser]:
-    """The parser class for ``name`` (an alias works too)."""
-    try:
-        return TOOL_PARSERS[name]
-    except (KeyError, TypeError):
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {known}") from None
-
-
-def detect_tool_parser(architecture: Optional[str],
-                       chat_template: Optional[str]) -> Optional[str]:
-    """The parser name for a model: from the markers its chat template writes, else from
-    its HF architecture name; None when no tool format is known for it."""
-    if chat_template:
-        for marker, name in _TEMPLATE_MARKERS:
-            if marker in chat_template:
-                return name
-    return _ARCHITECTURES.get(architecture or "")
+get_tool_parser: Callable[[str], Type[ToolParser]] = _TABLE.get
+"""The parser class for a name (an alias works too); a ValueError names the known ones."""
+detect_tool_parser: Callable[[Optional[str], Optional[str]], Optional[str]] = _TABLE.detect
+"""``(architecture, chat_template)`` -> the parser name for a model: from the markers its
+chat template writes, else from its HF architecture name; None when no tool format is
+known for it."""
 
 
 __all__ = [

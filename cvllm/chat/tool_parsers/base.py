@@ -101,14 +101,16 @@ StartBlock = Union[None, Undecided, Tuple[BlockReader, int]]
 
 
 class ToolParser(abc.ABC):
-    """One tool-call format. Subclasses declare their ``markers`` and build a
-    ``BlockReader`` for each (``_open_block``); the engine does the rest."""
+    """One tool-call format. Subclasses declare their ``markers`` and the
+    ``block_reader`` that reads the block each opens; the engine does the rest."""
 
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool] = False
     """True when the markers are special tokens that ``skip_special_tokens=True`` drops."""
     markers: ClassVar[Tuple[str, ...]] = ()
     """Opening markers of a block of calls."""
+    block_reader: ClassVar[Optional[Callable[[ToolSet, int, int], BlockReader]]] = None
+    """Builds the reader of a block from (tools, its marker's start, its body's start)."""
 
     def __init__(self, tools: Optional[List[dict]] = None,
                  id_factory: Callable[[], str] = new_call_id):
@@ -132,7 +134,9 @@ class ToolParser(abc.ABC):
 
     def _open_block(self, marker: str, start: int) -> BlockReader:
         """A reader for the block whose ``marker`` starts at ``start``."""
-        raise NotImplementedError(f"{type(self).__name__} declares no markers")
+        if self.block_reader is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no markers")
+        return self.block_reader(self.tools, start, start + len(marker))
 
     def _output_start(self, text: str, pos: int, final: bool) -> StartBlock:
         """A block at the output's first non-whitespace character ``pos`` without a

@@ -13,7 +13,9 @@ The contract that makes streaming exact for any split of the text into deltas:
   * ``calls`` only grows, a call's name never changes, and a call's ``arguments`` only
     ever grows (what was streamed stays a prefix of the final arguments).
 
-Also here: small cursor helpers that every reader uses to match literals with holdback.
+Also here: the two shapes most readers take (``PhasedReader``, a state machine stepped one
+phase at a time; ``TextArgsReader``, one whose values are text between XML-style tags)
+and small cursor helpers that every reader uses to match literals with holdback.
 """
 
 import abc
@@ -80,21 +82,25 @@ class BlockReader(abc.ABC):
         """PENDING or BROKEN for a literal match that gave NEED or FAIL."""
         return self.pending() if where == NEED and not final else self.broken()
 
-    def read_value(self, value, text: str, final: bool, next_phase: int) -> Optional[BlockProgress]:
-        """Go on reading a text value (``arguments.TextValue``) the block is inside; once it
-        ends, ``pos`` moves past it, ``phase`` becomes ``next_phase`` and this returns None."""
-        after = value.read(text, final)
-        if after == NEED:
-            return self.pending()
-        if after == FAIL:
-            return self.broken()
-        self.pos, self.phase = after, next_phase
-        return None
-
     def expect_end(self, text: str, final: bool, literal: str) -> BlockProgress:
         """DONE after optional whitespace and the closing ``literal`` at ``self.pos``."""
         where = match_literal(text, skip_ws(text, self.pos), literal, final)
         return self.done(where) if where >= 0 else self.status_of(where, final)
+
+
+class PhasedReader(BlockReader):
+    """A reader written as a small state machine: ``_step`` moves one phase on and
+    returns None, or returns the progress to report when it cannot go further."""
+
+    def read(self, text: str, final: bool) -> BlockProgress:
+        while True:
+            step = self._step(text, final)
+            if step is not None:
+                return step
+
+    @abc.abstractmethod
+    def _step(self, text: str, final: bool) -> Optional[BlockProgress]:
+        """Move one phase on (None), or say where the block stands."""
 
 
 def skip_ws(text: str, pos: int) -> int:
@@ -222,3 +228,46 @@ class TextValue:
             self.args.add_string(text[self.sent:end])
             self.sent = end
 
+
+class TextArgsReader(PhasedReader):
+    """A block of one call whose parameter values are text (``TextValue``s written into an
+    ``ArgsBuilder``, XML-style formats); the call's arguments follow the builder's text
+    after each ``read``. A format's ``_markup_step`` reads the tags between the values;
+    while a value is open (``open_value``) this reads it, then the markup goes on in the
+    phase it left."""
+
+    def __init__(self, tools: ToolSet, start: int, body: int, phase: int):
+        super().__init__(tools, start, body)
+        self.phase = phase
+        self.args: Optional[ArgsBuilder] = None
+        self.value: Optional[TextValue] = None
+
+    def open_call(self, name: str) -> None:
+        """Announce the call ``name`` (one the tools accept) and start its arguments."""
+        self.calls.append(PartialCall(name))
+        self.args = ArgsBuilder(self.tools, name)
+
+    def open_value(self, key: str, start: int, close: str, trim_newlines: bool) -> None:
+        """The value of ``key`` runs from ``start`` to the tag ``close`` (``TextValue``)."""
+        self.value = TextValue(self.args, key, start, close, trim_newlines)
+
+    def read(self, text: str, final: bool) -> BlockProgress:
+        progress = super().read(text, final)
+        if self.calls and self.args is not None:
+            self.calls[0].arguments = self.args.text
+        return progress
+
+    def _step(self, text: str, final: bool) -> Optional[BlockProgress]:
+        if self.value is None:
+            return self._markup_step(text, final)
+        after = self.value.read(text, final)
+        if after == NEED:
+            return self.pending()
+        if after == FAIL:
+            return self.broken()
+        self.pos, self.value = after, None
+        return None
+
+    @abc.abstractmethod
+    def _markup_step(self, text: str, final: bool) -> Optional[BlockProgress]:
+        """``_step`` outside the values."""

@@ -11,9 +11,9 @@ from typing import Optional
 
 from cvllm.chat.tool_parsers.base import FENCE, ToolParser
 from cvllm.chat.tool_parsers.blocks import (
-    NEED, BlockProgress, BlockReader, PartialCall, match_any, match_literal, read_name,
+    NEED, BlockProgress, PartialCall, PhasedReader, match_any, match_literal, read_name,
     skip_ws)
-from cvllm.chat.tool_parsers.json_calls import ERROR, PENDING, JsonArgs
+from cvllm.chat.tool_parsers.json_calls import JsonArgs, read_json
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -24,7 +24,7 @@ SEP = "<｜tool▁sep｜>"
 _LIST, _HEAD, _AFTER_SEP, _V3_NAME, _V3_FENCE, _ARGS, _ARGS_FENCE, _CALL_END = range(8)
 
 
-class DeepSeekBlock(BlockReader):
+class DeepSeekBlock(PhasedReader):
     """The calls of one ``<｜tool▁calls▁begin｜>`` block, each in either layout."""
 
     def __init__(self, tools, start: int, body: int):
@@ -33,12 +33,6 @@ class DeepSeekBlock(BlockReader):
         self.head = ""
         self.fenced = False
         self.args: Optional[JsonArgs] = None
-
-    def read(self, text: str, final: bool) -> BlockProgress:
-        while True:
-            step = self._step(text, final)
-            if step is not None:
-                return step
 
     def _announce(self, name: str, at: int) -> Optional[BlockProgress]:
         if not self.tools.accepts(name):
@@ -102,11 +96,9 @@ class DeepSeekBlock(BlockReader):
     def _arguments(self, text: str, at: int, final: bool) -> Optional[BlockProgress]:
         if self.args is None:
             self.args = JsonArgs(at, self.calls[-1])
-        status = self.args.read(text, final)
-        if status == PENDING:
-            return self.pending()
-        if status == ERROR:
-            return self.broken()
+        progress = read_json(self, self.args, text, final)
+        if progress is not None:
+            return progress
         self.pos, self.args = self.args.end, None
         self.phase = _ARGS_FENCE if self.fenced else _CALL_END
         return None
@@ -130,6 +122,4 @@ class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
     needs_special_tokens = True   # the tool markers are special tokens
     markers = (CALLS_BEGIN,)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return DeepSeekBlock(self.tools, start, start + len(marker))
+    block_reader = DeepSeekBlock

@@ -9,42 +9,28 @@ Python, server side.
 
 from typing import Optional
 
-from cvllm.chat.tool_parsers.arguments import ArgsBuilder
 from cvllm.chat.tool_parsers.base import ToolParser
 from cvllm.chat.tool_parsers.blocks import (
-    FAIL, BlockProgress, BlockReader, PartialCall, TextValue, match_any, match_literal,
-    read_name, skip_ws)
+    FAIL, BlockProgress, TextArgsReader, match_any, match_literal, read_name, skip_ws)
 
-_NAME, _ARGS, _VALUE_OPEN, _VALUE = range(4)
+_NAME, _ARGS, _VALUE_OPEN = range(3)
 _CLOSE = "</tool_call>"
 
 
-class GlmBlock(BlockReader):
+class GlmBlock(TextArgsReader):
     """One ``<tool_call>`` block: a name, then key/value pairs."""
 
     def __init__(self, tools, start: int, body: int):
-        super().__init__(tools, start, body)
-        self.phase = _NAME
-        self.args: Optional[ArgsBuilder] = None
-        self.value: Optional[TextValue] = None
+        super().__init__(tools, start, body, _NAME)
         self.key = ""
 
-    def read(self, text: str, final: bool) -> BlockProgress:
-        while True:
-            step = self._step(text, final)
-            if self.calls and self.args is not None:
-                self.calls[0].arguments = self.args.text
-            if step is not None:
-                return step
-
-    def _step(self, text: str, final: bool) -> Optional[BlockProgress]:
+    def _markup_step(self, text: str, final: bool) -> Optional[BlockProgress]:
         if self.phase == _NAME:
             end, after, name = read_name(text, skip_ws(text, self.pos),
                                          ("\n", "<arg_key>", _CLOSE), final)
             if end < 0 or not self.tools.accepts(name):
                 return self.status_of(end if end < 0 else FAIL, final)
-            self.calls.append(PartialCall(name))
-            self.args = ArgsBuilder(self.tools, name)
+            self.open_call(name)
             self.pos, self.phase = (after if text[end] == "\n" else end), _ARGS
         elif self.phase == _ARGS:
             at, tag = match_any(text, skip_ws(text, self.pos), ("<arg_key>", _CLOSE), final)
@@ -57,14 +43,12 @@ class GlmBlock(BlockReader):
             if end < 0 or not key:
                 return self.status_of(end if end < 0 else FAIL, final)
             self.key, self.pos, self.phase = key, after, _VALUE_OPEN
-        elif self.phase == _VALUE_OPEN:
+        else:
             at = match_literal(text, skip_ws(text, self.pos), "<arg_value>", final)
             if at < 0:
                 return self.status_of(at, final)
-            self.value = TextValue(self.args, self.key, at, "</arg_value>", trim_newlines=False)
-            self.phase = _VALUE
-        else:
-            return self.read_value(self.value, text, final, _ARGS)
+            self.open_value(self.key, at, "</arg_value>", trim_newlines=False)
+            self.phase = _ARGS
         return None
 
 
@@ -72,6 +56,4 @@ class Glm45ToolParser(ToolParser):
     name = "glm45"
     needs_special_tokens = True   # GLM's <tool_call>, <arg_key>, ... are special tokens
     markers = ("<tool_call>",)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return GlmBlock(self.tools, start, start + len(marker))
+    block_reader = GlmBlock

@@ -7,7 +7,7 @@ block reader lives for one block. Pure Python, server side.
 
 from cvllm.chat.tool_parsers.base import ToolParser
 from cvllm.chat.tool_parsers.blocks import BlockProgress, BlockReader
-from cvllm.chat.tool_parsers.json_calls import DONE, ERROR, JsonCalls, PENDING
+from cvllm.chat.tool_parsers.json_calls import DONE, JsonCalls, read_json
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -22,11 +22,9 @@ class HermesBlock(BlockReader):
 
     def read(self, text: str, final: bool) -> BlockProgress:
         if self.json.status != DONE:
-            status = self.json.read(text, final)
-            if status == PENDING:
-                return self.pending()
-            if status == ERROR:
-                return self.broken()
+            progress = read_json(self, self.json, text, final)
+            if progress is not None:
+                return progress
             self.pos = self.json.end
         return self.expect_end(text, final, TOOL_CALL_CLOSE)
 
@@ -35,6 +33,4 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     needs_special_tokens = False   # Qwen's <tool_call> is an added token, not a special one
     markers = (TOOL_CALL_OPEN,)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return HermesBlock(self.tools, start, start + len(marker))
+    block_reader = HermesBlock

@@ -15,7 +15,7 @@ import re
 from typing import List, Optional, Tuple
 
 from cvllm.chat.tool_parsers.arguments import ToolSet, strict_loads
-from cvllm.chat.tool_parsers.blocks import PartialCall
+from cvllm.chat.tool_parsers.blocks import BlockProgress, BlockReader, PartialCall
 
 _VALUE, _OBJ_FIRST, _OBJ_KEY, _COLON, _AFTER, _ARR_FIRST = range(6)
 _STRING, _NUMBER, _LITERAL = range(6, 9)
@@ -27,6 +27,18 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 MAX_DEPTH = 128
 
 PENDING, DONE, ERROR = "pending", "done", "error"
+
+
+def read_json(block: BlockReader, reader, text: str, final: bool) -> Optional[BlockProgress]:
+    """Feed ``reader`` (a ``JsonCalls`` or ``JsonArgs`` inside ``block``): the block's
+    PENDING or BROKEN progress while the JSON is not complete, None once it is DONE
+    (``reader.end`` set)."""
+    status = reader.read(text, final)
+    if status == PENDING:
+        return block.pending()
+    if status == ERROR:
+        return block.broken()
+    return None
 
 
 class JsonScanner:

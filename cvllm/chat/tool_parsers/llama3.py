@@ -10,7 +10,7 @@ from typing import Optional
 
 from cvllm.chat.tool_parsers.base import StartBlock, ToolParser
 from cvllm.chat.tool_parsers.blocks import BlockProgress, BlockReader, skip_ws
-from cvllm.chat.tool_parsers.json_calls import ERROR, PENDING, JsonCalls
+from cvllm.chat.tool_parsers.json_calls import JsonCalls, read_json
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -18,7 +18,7 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3Block(BlockReader):
     """Call objects separated by ``;``; the block ends after the last object."""
 
-    def __init__(self, tools, start: int, body: int, require_args: bool):
+    def __init__(self, tools, start: int, body: int, require_args: bool = False):
         super().__init__(tools, start, body)
         self.require_args = require_args
         self.json: Optional[JsonCalls] = JsonCalls(tools, body, self.calls,
@@ -28,11 +28,9 @@ class Llama3Block(BlockReader):
     def read(self, text: str, final: bool) -> BlockProgress:
         while True:
             if self.json is not None:
-                status = self.json.read(text, final)
-                if status == PENDING:
-                    return self.pending()
-                if status == ERROR:
-                    return self.broken()
+                progress = read_json(self, self.json, text, final)
+                if progress is not None:
+                    return progress
                 self.last_end, self.json = self.json.end, None
             # After an object: ";" and another object continue the block.
             at = skip_ws(text, self.last_end)
@@ -51,9 +49,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     needs_special_tokens = True   # <|python_tag|> is a special token
     markers = (PYTHON_TAG,)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return Llama3Block(self.tools, start, start + len(marker), require_args=False)
+    block_reader = Llama3Block   # after the tag: calls need no "parameters"
 
     def _output_start(self, text: str, pos: int, final: bool) -> StartBlock:
         if text[pos] == "{":

@@ -12,7 +12,7 @@ from typing import Optional
 from cvllm.chat.tool_parsers.base import ToolParser
 from cvllm.chat.tool_parsers.blocks import (
     FAIL, NEED, BlockProgress, BlockReader, PartialCall, find_first, read_name, skip_ws)
-from cvllm.chat.tool_parsers.json_calls import ERROR, PENDING, JsonArgs, JsonCalls
+from cvllm.chat.tool_parsers.json_calls import JsonArgs, JsonCalls, read_json
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -31,12 +31,8 @@ class MistralBlock(BlockReader):
             step = self._open(text, final)
             if step is not None:
                 return step
-        status = self.reader.read(text, final)
-        if status == PENDING:
-            return self.pending()
-        if status == ERROR:
-            return self.broken()
-        return self.done(self.reader.end)
+        progress = read_json(self, self.reader, text, final)
+        return self.done(self.reader.end) if progress is None else progress
 
     def _open(self, text: str, final: bool) -> Optional[BlockProgress]:
         at = skip_ws(text, self.pos)
@@ -64,6 +60,4 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True   # [TOOL_CALLS] is a control token
     markers = (TOOL_CALLS,)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return MistralBlock(self.tools, start, start + len(marker))
+    block_reader = MistralBlock

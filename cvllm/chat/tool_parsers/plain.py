@@ -11,13 +11,13 @@ from typing import Optional
 
 from cvllm.chat.tool_parsers.base import FENCE, UNDECIDED, StartBlock, ToolParser
 from cvllm.chat.tool_parsers.blocks import (
-    BlockProgress, BlockReader, match_any, match_literal, skip_ws)
-from cvllm.chat.tool_parsers.json_calls import DONE, PENDING, JsonCalls
+    BlockProgress, PhasedReader, match_any, match_literal, skip_ws)
+from cvllm.chat.tool_parsers.json_calls import JsonCalls, read_json
 
 _OPEN, _JSON, _CLOSE_FENCE, _TRAIL = range(4)
 
 
-class JsonAnswerBlock(BlockReader):
+class JsonAnswerBlock(PhasedReader):
     """The whole rest of the output: [fence] calls [fence] whitespace."""
 
     def __init__(self, tools, start: int):
@@ -25,12 +25,6 @@ class JsonAnswerBlock(BlockReader):
         self.phase = _OPEN
         self.fenced = False
         self.json: Optional[JsonCalls] = None
-
-    def read(self, text: str, final: bool) -> BlockProgress:
-        while True:
-            step = self._step(text, final)
-            if step is not None:
-                return step
 
     def _step(self, text: str, final: bool) -> Optional[BlockProgress]:
         if self.phase == _OPEN:
@@ -43,9 +37,9 @@ class JsonAnswerBlock(BlockReader):
                                   require_args=True)
             self.phase = _JSON
         elif self.phase == _JSON:
-            status = self.json.read(text, final)
-            if status != DONE:
-                return self.pending() if status == PENDING else self.broken()
+            progress = read_json(self, self.json, text, final)
+            if progress is not None:
+                return progress
             self.pos, self.phase = self.json.end, _CLOSE_FENCE if self.fenced else _TRAIL
         elif self.phase == _CLOSE_FENCE:
             after = match_literal(text, skip_ws(text, self.pos), FENCE, final)

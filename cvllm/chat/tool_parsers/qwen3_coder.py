@@ -9,36 +9,23 @@ the server per request choice (see base.py); pure Python, server side.
 
 from typing import Optional
 
-from cvllm.chat.tool_parsers.arguments import ArgsBuilder
 from cvllm.chat.tool_parsers.base import ToolParser
 from cvllm.chat.tool_parsers.blocks import (
-    FAIL, BlockProgress, BlockReader, PartialCall, TextValue, match_any, match_literal,
-    read_name, skip_ws)
+    FAIL, BlockProgress, TextArgsReader, match_any, match_literal, read_name, skip_ws)
 
-_FUNCTION, _PARAMS, _VALUE, _CLOSE = range(4)
+_FUNCTION, _PARAMS, _CLOSE = range(3)
 
 
-class Qwen3CoderBlock(BlockReader):
+class Qwen3CoderBlock(TextArgsReader):
     """One ``<tool_call>`` block holding one ``<function=...>``."""
 
     def __init__(self, tools, start: int, body: int):
-        super().__init__(tools, start, body)
-        self.phase = _FUNCTION
-        self.args: Optional[ArgsBuilder] = None
-        self.value: Optional[TextValue] = None
+        super().__init__(tools, start, body, _FUNCTION)
 
-    def read(self, text: str, final: bool) -> BlockProgress:
-        while True:
-            if self.phase == _CLOSE:
-                return self.expect_end(text, final, "</tool_call>")
-            step = self._step(text, final)
-            if self.calls and self.args is not None:
-                self.calls[0].arguments = self.args.text
-            if step is not None:
-                return step
-
-    def _step(self, text: str, final: bool) -> Optional[BlockProgress]:
+    def _markup_step(self, text: str, final: bool) -> Optional[BlockProgress]:
         """Move one phase on; a progress to return when it cannot."""
+        if self.phase == _CLOSE:
+            return self.expect_end(text, final, "</tool_call>")
         if self.phase == _FUNCTION:
             at = match_literal(text, skip_ws(text, self.pos), "<function=", final)
             if at < 0:
@@ -46,10 +33,9 @@ class Qwen3CoderBlock(BlockReader):
             end, after, name = read_name(text, at, (">",), final)
             if end < 0 or not self.tools.accepts(name):
                 return self.status_of(end if end < 0 else FAIL, final)
-            self.calls.append(PartialCall(name))
-            self.args = ArgsBuilder(self.tools, name)
+            self.open_call(name)
             self.pos, self.phase = after, _PARAMS
-        elif self.phase == _PARAMS:
+        else:
             at, tag = match_any(text, skip_ws(text, self.pos), ("<parameter=", "</function>"),
                                 final)
             if at < 0:
@@ -61,10 +47,7 @@ class Qwen3CoderBlock(BlockReader):
             end, after, key = read_name(text, at, (">",), final)
             if end < 0 or not key:
                 return self.status_of(end if end < 0 else FAIL, final)
-            self.value = TextValue(self.args, key, after, "</parameter>", trim_newlines=True)
-            self.phase = _VALUE
-        else:
-            return self.read_value(self.value, text, final, _PARAMS)
+            self.open_value(key, after, "</parameter>", trim_newlines=True)
         return None
 
 
@@ -72,6 +55,4 @@ class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     needs_special_tokens = False
     markers = ("<tool_call>",)
-
-    def _open_block(self, marker: str, start: int) -> BlockReader:
-        return Qwen3CoderBlock(self.tools, start, start + len(marker))
+    block_reader = Qwen3CoderBlock

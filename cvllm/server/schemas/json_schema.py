@@ -1,5 +1,6 @@
 """Checking that a client's JSON Schema is one (tool parameters, ``response_format``,
-``structured_outputs.json``, ``guided_json``), and its canonical text.
+``structured_outputs.json``, ``guided_json``), and its canonical text; ``JsonSchemaObject``
+is the field type of a schema given as an object.
 
 Called from validators of ``tools`` and ``structured`` once per schema in a request (rank 0,
 event-loop thread). Checking against the 2020-12 metaschema costs about half a millisecond
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Dict, Optional
+from typing import Annotated, Any, Dict, Optional
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from pydantic import AfterValidator
 
 from cvllm.server.schemas.validation import invalid
 
@@ -42,6 +44,16 @@ def check_json_schema(schema: Dict[str, Any]) -> str:
     if problem is not None:
         raise invalid(f"is not a valid JSON Schema: {problem}")
     return text
+
+
+def checked_schema(schema: Dict[str, Any]) -> Dict[str, Any]:
+    """``schema`` itself once ``check_json_schema`` accepts it (a field validator)."""
+    check_json_schema(schema)
+    return schema
+
+
+JsonSchemaObject = Annotated[Dict[str, Any], AfterValidator(checked_schema)]
+"""A field holding a JSON Schema object, checked as one."""
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)

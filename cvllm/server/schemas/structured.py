@@ -15,14 +15,13 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
 from cvllm.sampling_params import StructuredOutputs
-from cvllm.server.schemas.json_schema import canonical_json, check_json_schema
+from cvllm.server.schemas.json_schema import JsonSchemaObject, canonical_json, check_json_schema
 from cvllm.server.schemas.validation import (CUSTOM_ERROR, StrictModel, bad_param, invalid,
-                                             json_union, list_of)
+                                             json_union, list_of, name_matching)
 
-_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANY_OBJECT_SCHEMA: Dict[str, Any] = {"type": "object"}
 """The schema of a ``json_schema`` response format that gives none: any JSON object."""
 
@@ -55,27 +54,15 @@ JsonSchemaValue = Annotated[
 Regex = Annotated[str, AfterValidator(_regex)]
 Choices = list_of(Annotated[str, Field(min_length=1)], min_length=1)
 Grammar = Annotated[str, Field(min_length=1)]
+FormatName = name_matching(r"[A-Za-z0-9_-]{1,64}",
+                           "must be 1 to 64 characters, each a letter, digit, '_' or '-'")
 
 
 class JsonSchemaFormat(StrictModel):
-    name: str
+    name: FormatName
     description: Optional[str] = None
-    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
+    schema_: Optional[JsonSchemaObject] = Field(None, alias="schema")
     strict: Optional[bool] = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, name: str) -> str:
-        if not _FORMAT_NAME.fullmatch(name):
-            raise invalid("must be 1 to 64 characters, each a letter, digit, '_' or '-'")
-        return name
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, schema: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        if schema is not None:
-            check_json_schema(schema)
-        return schema
 
 
 class TextFormat(StrictModel):

@@ -7,40 +7,26 @@ and the tool parsers take. Only function tools exist in the API.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Tag, field_validator
+from pydantic import Tag
 
-from cvllm.server.schemas.json_schema import check_json_schema
-from cvllm.server.schemas.validation import (StrictModel, bad_param, first_duplicate, invalid,
-                                             json_union, show)
+from cvllm.server.schemas.json_schema import JsonSchemaObject
+from cvllm.server.schemas.validation import (StrictModel, bad_param, first_duplicate, json_union,
+                                             name_matching, show)
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+ToolName = name_matching(r"[A-Za-z0-9_.-]{1,64}",
+                         "must be 1 to 64 characters, each a letter, digit, '_', '.' or '-'")
 
 
 class FunctionDefinition(StrictModel):
-    name: str
+    name: ToolName
     description: Optional[str] = None
-    parameters: Optional[Dict[str, Any]] = None
+    parameters: Optional[JsonSchemaObject] = None
     """A JSON Schema of the arguments object."""
     strict: Optional[bool] = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, name: str) -> str:
-        if not _TOOL_NAME.fullmatch(name):
-            raise invalid("must be 1 to 64 characters, each a letter, digit, '_', '.' or '-'")
-        return name
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, schema: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        if schema is not None:
-            check_json_schema(schema)
-        return schema
 
 
 class ToolDefinition(StrictModel):

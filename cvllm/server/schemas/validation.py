@@ -12,10 +12,11 @@ field given as ``null`` is the same as a field left out.
 
 from __future__ import annotations
 
+import re
 from typing import (Annotated, Any, Collection, Dict, List, Optional, Sequence, Tuple, Type,
                     TypeVar, Union)
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from cvllm.server.errors import ApiError
@@ -80,6 +81,19 @@ def list_of(item: Any, min_length: Optional[int] = None) -> Any:
     """``List[item]`` that stops at its first bad element: a body of a million bad items
     must not cost a million error objects (seconds of the event loop)."""
     return Annotated[List[item], Field(fail_fast=True, min_length=min_length)]
+
+
+def name_matching(pattern: str, phrase: str) -> Any:
+    """``str`` that must match ``pattern`` in full (a tool or format name); else the error
+    is ``'<param>' <phrase>``."""
+    compiled = re.compile(pattern)
+
+    def check(name: str) -> str:
+        if not compiled.fullmatch(name):
+            raise invalid(phrase)
+        return name
+
+    return Annotated[str, AfterValidator(check)]
 
 
 def validate_body(model: Type[M], body: Any, whole_fields: Collection[str] = ()) -> M:
