@@ -135,7 +135,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a fresh sequence. Its prompt was admitted by the engine
-        (``engine/llm_engine.check_prompt_length``: shorter than ``max_model_len``), the
+        (``core/prompt_limits.check_prompt_length``: shorter than ``max_model_len``), the
         one place a prompt's length is checked; this checks only the scheduler's own
         bookkeeping."""
         if seq.seq_id in self._seqs:

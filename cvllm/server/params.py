@@ -7,7 +7,7 @@ was tokenized. Precedence: value in the request > server-wide default from
 Context length, like candle-vllm: a prompt of ``max_model_len`` tokens or more is a 400;
 otherwise ``max_tokens`` (requested or defaulted to ``max_gen_tokens``) is silently capped
 to the room left in the context, ``max_model_len - prompt_len``, instead of failing. The
-rule is the engine's admission rule (``engine/llm_engine.check_prompt_length``, with the
+rule is the engine's admission rule (``core/prompt_limits.check_prompt_length``, with the
 limit the engine published): it is asked here, before anything is answered, because a
 streamed answer's status goes out before the engine sees the request.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
-from cvllm.engine.llm_engine import check_prompt_length
+from cvllm.core.prompt_limits import check_prompt_length
 from cvllm.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from cvllm.server.errors import ApiError
 

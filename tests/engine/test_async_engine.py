@@ -10,7 +10,8 @@ import pytest
 
 from cvllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cvllm.engine.async_engine import AsyncEngine, EngineDeadError
-from cvllm.engine.llm_engine import LLMEngine, PromptTooLongError
+from cvllm.core.prompt_limits import PromptTooLongError
+from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.tokenizer import Tokenizer
 from cvllm.sampling_params import SamplingParams
 from cvllm.worker.model_runner import StepResult

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cvllm.engine.llm import LLM
-from cvllm.engine.llm_engine import PromptTooLongError
+from cvllm.core.prompt_limits import PromptTooLongError
 from cvllm.sampling_params import SamplingParams
 from tests.worker.tiny_llama import write_tiny_llama
 

@@ -1,5 +1,5 @@
 """A prompt that fills the context is refused on every path, by the one rule that checks
-it (``engine/llm_engine.check_prompt_length``, issue 35): the HTTP routes answer a 400
+it (``core/prompt_limits.check_prompt_length``, issue 35): the HTTP routes answer a 400
 with the same message, ``param`` and code for chat, completions and streams, whether the
 engine runs in this process (``AsyncEngine``) or behind the API process's channel
 (``RemoteEngine`` over a socket pair to an ``ApiHost``), and the engine's own admission
