@@ -18,7 +18,7 @@ output equals the CPU path up to the order of the mean's sum:
   throughout, rounded once.
 
 ``q8_wps`` (one row, batch-1 decode): the program also writes its output row in the int8
-form the batch-1 GGUF GEMV reads (``kernels/quant/ggml_kernels.q8_store``, after a
+form the batch-1 GGUF GEMV reads (``kernels/quant/ggml_q8.q8_store``, after a
 barrier, from the row it stored: the same bits as that GEMV's own rounding) and attaches
 it to the output tensor (``quant/q8form.attach_q8``), so the GEMV that takes this output
 next (a layer's QKV or gate_up projection, ``layers/layernorm.pair_norm_outputs``)

@@ -85,7 +85,7 @@ class CudaGgmlWeight:
     """``(pointers, row strides)`` of the kernels (absent fields stand in as ``lo``)."""
     sem: torch.Tensor = field(init=False, repr=False)
     """int32 zeros, one per ``SEM_ROWS`` rows: the split-K int8 GEMV's arrival counts
-    (``ggml_kernels.ggml_gemv_i8_kernel``, ``SPLIT``), back at zero after every call.
+    (``ggml_i8_kernels.ggml_gemv_i8_kernel``, ``SPLIT``), back at zero after every call.
     Made here, at load, never inside a CUDA-graph capture (4 bytes per 4 rows)."""
 
     def __post_init__(self) -> None:
