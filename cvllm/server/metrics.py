@@ -123,8 +123,3 @@ def exposition(registry: CollectorRegistry, accept: Optional[str]) -> Tuple[byte
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type
 
-
-def render_metrics(metrics: EngineMetrics, accept: Optional[str] = None) -> str:
-    """One snapshot as exposition text (the classic format unless ``accept`` asks for
-    OpenMetrics)."""
-    return exposition(build_registry(lambda: metrics), accept)[0].decode("utf-8")

@@ -8,10 +8,15 @@ import re
 
 from cvllm.outputs import EngineMetrics, Histogram
 from cvllm.server import ServerSettings
-from cvllm.server.metrics import render_metrics
+from cvllm.server.metrics import build_registry, exposition
 
 NAMES = ("cvllm_time_to_first_token_seconds", "cvllm_inter_token_latency_seconds",
          "cvllm_e2e_request_latency_seconds", "cvllm_request_queue_time_seconds")
+
+
+def render_metrics(metrics):
+    """One snapshot as the classic exposition text, through the app's own path."""
+    return exposition(build_registry(lambda: metrics), None)[0].decode("utf-8")
 
 
 def _count(value):
